@@ -1,5 +1,5 @@
-"""What the native backends read of an ELF file before they run or load it: whether it is whole, and which
-libraries it needs.
+"""What the native backends read of an ELF file before they run or load it: whether it is whole, which
+libraries it needs, and where the loader looks for them.
 
 Read with ``pread`` on a descriptor opened without blocking, never through a
 memory map: a file cut short under a map (a library being rewritten in place,
@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import stat
 import struct
+from dataclasses import dataclass, field
 from typing import Callable
 
 Read = Callable[[int, int], bytes]  # (offset, size) -> up to size bytes of the file at offset
 
-_MAX_NAME_BYTES = 4096  # read for one DT_NEEDED name (names are short; one without its NUL in it is skipped)
+_MAX_NAME_BYTES = 4096  # read for one name or search path (short; one without its NUL in it is skipped)
 
 
 def _opened(path: str) -> int | None:
@@ -100,28 +101,57 @@ def _program_headers(read: Read, wide: bool, order: str, phoff: int, phentsize: 
     return headers
 
 
+@dataclass(frozen=True)
+class LinkNames:
+    """What the loader reads of a shared object to find the libraries it needs.
+
+    ``needed``: the DT_NEEDED names, in order. ``runpath``: the DT_RUNPATH
+    folders (None: it has none), ``rpath`` the DT_RPATH ones, as written
+    (``$ORIGIN/lib`` unexpanded); the loader ignores ``rpath`` when there is a
+    ``runpath``.
+    """
+
+    needed: list[str] = field(default_factory=list)
+    runpath: list[str] | None = None
+    rpath: list[str] = field(default_factory=list)
+
+
 def needed_libraries(path: str) -> list[str]:
     """The DT_NEEDED names of the ELF shared object ``path`` (the libraries it asks the loader for); [] for a file
     that is no readable, regular ELF file, or one whose dynamic section cannot be followed.
 
     Only the headers, the dynamic section and the names are read, however large the library.
     """
+    return link_names(path).needed
+
+
+def link_names(path: str) -> LinkNames:
+    """The DT_NEEDED names and the search folders of the ELF shared object ``path``; empty ones for a file that
+    is no readable, regular ELF file, or one whose dynamic section cannot be followed."""
     fd = _opened(path)
     if fd is None:
-        return []
+        return LinkNames()
     try:
-        return _needed_in(lambda offset, count: os.pread(fd, count, offset))
+        strings = _dynamic_strings(lambda offset, count: os.pread(fd, count, offset))
     except (OSError, ValueError, struct.error):  # unreadable, cut short
-        return []
+        return LinkNames()
     finally:
         os.close(fd)
+    runpath = strings.get(_DT_RUNPATH)
+    return LinkNames(strings.get(_DT_NEEDED, []),
+                     None if runpath is None else [folder for text in runpath for folder in text.split(":")],
+                     [folder for text in strings.get(_DT_RPATH, []) for folder in text.split(":")])
 
 
-def _needed_in(read: Read) -> list[str]:
+_DT_NEEDED, _DT_RPATH, _DT_RUNPATH = 1, 15, 29  # dynamic entries whose value is an offset into DT_STRTAB
+
+
+def _dynamic_strings(read: Read) -> dict[int, list[str]]:
+    """The strings of the DT_NEEDED, DT_RPATH and DT_RUNPATH entries of the dynamic section, by tag, in order."""
     header = read(0, 64)
     kind = _elf_header(header)
     if kind is None:
-        return []
+        return {}
     wide, order = kind
     word = "Q" if wide else "I"
     phoff, = struct.unpack_from(order + word, header, 0x20 if wide else 0x1C)
@@ -133,25 +163,26 @@ def _needed_in(read: Read) -> list[str]:
         elif kind == 2:
             dynamic = (offset, filesz)
     if dynamic is None:
-        return []
+        return {}
     section = read(dynamic[0], dynamic[1])
     entry = struct.Struct(order + ("qQ" if wide else "iI"))
-    needed, strtab = [], None
+    named: list[tuple[int, int]] = []  # (tag, offset of its string)
+    strtab = None
     for at in range(0, len(section) - entry.size + 1, entry.size):
         tag, value = entry.unpack_from(section, at)
         if tag == 0:  # DT_NULL
             break
-        if tag == 1:  # DT_NEEDED: an offset into the string table
-            needed.append(value)
+        if tag in (_DT_NEEDED, _DT_RPATH, _DT_RUNPATH):
+            named.append((tag, value))
         elif tag == 5:  # DT_STRTAB: its address, mapped to the file by the segment holding it
             strtab = next((value - vaddr + offset for vaddr, offset, size in loads if vaddr <= value < vaddr + size),
                           None)
     if strtab is None:
-        return []
-    names = []
-    for offset in needed:
+        return {}
+    strings: dict[int, list[str]] = {}
+    for tag, offset in named:
         text = read(strtab + offset, _MAX_NAME_BYTES)
         end = text.find(b"\0")
         if end >= 0:
-            names.append(text[:end].decode("utf-8", "replace"))
-    return names
+            strings.setdefault(tag, []).append(text[:end].decode("utf-8", "replace"))
+    return strings

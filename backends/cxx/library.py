@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 from nereid.backends.cxx import API_VERSION
-from nereid.backends.elf_files import elf_cut_short, needed_libraries
+from nereid.backends.elf_files import elf_cut_short, link_names, needed_libraries
 from nereid.backends.scratch import require_executable_folder, scratch_folder_refused
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason
@@ -148,56 +148,121 @@ def _needed_or_none(path: str) -> list[str]:
         return []
 
 
-def _shipped_dependencies(path: Path) -> set[str]:
-    """The names of the entries beside ``path`` that it needs, directly or through each other: each DT_NEEDED
-    name found there, and the neighbours its links lead to (``libdep.so.1 -> libdep.so.1.2``)."""
-    folder, wanted, found = path.parent, [path.name], set()
-    while wanted:
-        for name in needed_libraries(str(folder / wanted.pop())):
-            while name not in found and "/" not in name and os.path.lexists(folder / name):
-                found.add(name)
-                if not os.path.islink(folder / name):
-                    wanted.append(name)
+def _origin_folders(entries: list[str], origin: Path) -> list[Path]:
+    """The folders of a RUNPATH or RPATH list that are relative to the object's own (``$ORIGIN``, ``${ORIGIN}``),
+    with ``origin`` put in; the others (the system's, a build machine's) say nothing about the model's files."""
+    folders = []
+    for entry in entries:
+        for token in ("$ORIGIN", "${ORIGIN}"):
+            if entry == token or entry.startswith(token + "/"):
+                folders.append(Path(os.path.normpath(str(origin) + entry[len(token):])))
+                break
+    return folders
+
+
+def _shipped_files(root: Path, library: Path) -> set[str]:
+    """The files under ``root`` that the shared library ``library`` (under ``root`` too) needs, directly or through
+    each other, as paths relative to ``root``.
+
+    A DT_NEEDED name is looked for as the loader looks for it, in the folders
+    of the needing object's RUNPATH (or else RPATH, its loaders' RPATH after
+    it) that are relative to its own (``$ORIGIN``, ``$ORIGIN/lib``,
+    ``$ORIGIN/../lib``), then beside it; the first found under ``root`` is
+    shipped, with the neighbours its links lead to (``libdep.so.1 ->
+    libdep.so.1.2``). One found elsewhere first is not the model's.
+    """
+    found: set[str] = set()
+    pending: list[tuple[Path, list[Path]]] = [(library, [])]  # (object, its loaders' RPATH folders)
+    while pending:
+        needing, inherited = pending.pop()
+        names = link_names(str(needing))
+        own = _origin_folders(names.runpath if names.runpath is not None else names.rpath, needing.parent)
+        chain = [] if names.runpath is not None else own + inherited  # (RUNPATH ends the RPATH chain)
+        for name in names.needed:
+            if "/" in name:
+                continue  # a path: the loader opens it as written
+            for folder in [*own, *([] if names.runpath is not None else inherited), needing.parent]:
+                if os.path.lexists(folder / name):
                     break
-                name = os.readlink(folder / name)  # a link to a neighbour: that one is needed too
+            else:
+                continue
+            relative = os.path.relpath(folder / name, root)
+            while not _outside(relative) and relative not in found:
+                found.add(relative)
+                entry = root / relative
+                if not os.path.islink(entry):
+                    pending.append((entry, chain))
+                    break
+                try:
+                    link = os.readlink(entry)
+                except OSError:  # (replaced meanwhile: the mirror takes what it finds then)
+                    break
+                if "/" in link:
+                    break  # a link elsewhere: linked, not copied
+                relative = os.path.relpath(entry.parent / link, root)  # a link to a neighbour: that one is needed too
     return found
 
 
-def _copy_siblings(model: str, path: Path, folder: Path, scratch_dir: Path) -> None:
-    """Give ``folder`` every entry of the shared library ``path``'s own folder but the library itself.
+def _mirror_folder(model: str, path: Path, root: Path, target: Path, wanted: set[str], scratch_dir: Path,
+                   relative: str = ".") -> None:
+    """Give ``target`` (the copy of ``root``'s folder ``relative``) every entry of that folder: copies of the
+    ``wanted`` files there (paths relative to ``root``), folders of their own for the ones that lead to wanted
+    files, and links to everything else.
 
-    The libraries it needs that are shipped beside it (found through a
-    RUNPATH of $ORIGIN) are copied, as the library is: mapped from the
-    repository, a deploy that copies a new one over one of them (the same file,
-    rewritten) would change the code under the running model and crash the
-    server. A link among them (``libdep.so.1 -> libdep.so.1.2``) is made again,
-    to its neighbour's copy. Everything else there is linked, not copied: a
-    library kept in a folder of thousands (a system's lib folder) costs no copy
-    of them.
+    The libraries that the shared library ``path`` needs from its model's
+    folder are copied, as the library is: mapped from the repository, a deploy
+    that copies a new one over one of them (the same file, rewritten) would
+    change the code under the running model and crash the server, in a
+    subfolder (``lib/`` under a RUNPATH ``$ORIGIN/lib``) as well as beside it.
+    A link among them (``libdep.so.1 -> libdep.so.1.2``) is made again, to its
+    neighbour's copy. Everything else is linked, not copied: a library kept in
+    a folder of thousands (a system's lib folder) costs no copy of them.
     """
+    source = root / relative
+    inside = [os.path.relpath(item, relative) for item in wanted]
+    inside = [item for item in inside if not _outside(item)]
+    leading = {item.split(os.sep, 1)[0] for item in inside if os.sep in item}
     try:
-        siblings = [entry for entry in os.scandir(path.parent) if entry.name != path.name]
-    except OSError:  # a folder that may be entered but not listed: the library loads without its neighbours
-        return
-    shipped = _shipped_dependencies(path)
-    for sibling in siblings:
-        target = folder / sibling.name
-        if sibling.name in shipped and (reason := not_regular_reason(Path(sibling.path))) is not None:
+        names = os.listdir(source)
+    except OSError:
+        # A folder that may be entered but not listed: what the library needs from it still goes in, without the
+        # neighbours (the library loads without them).
+        names = sorted({item.split(os.sep, 1)[0] for item in inside})
+    for name in names:
+        inner = os.path.normpath(os.path.join(relative, name))
+        entry, destination = source / name, target / name
+        if inner == os.path.relpath(path, root):
+            continue  # the library's own copy, made before
+        if inner in wanted and (reason := not_regular_reason(entry)) is not None:
             # (A FIFO: the loader would wait on it for ever, holding the load.)
-            raise ConfigError(f"model '{model}': shared library {path} needs {sibling.name}, and {reason}")
-        if sibling.name in shipped and sibling.is_file(follow_symlinks=False):
-            _copy_library(model, Path(sibling.path), target, scratch_dir)
-            _require_whole(model, Path(sibling.path), target, f"shared library {path} needs {sibling.name}, but")
+            raise ConfigError(f"model '{model}': shared library {path} needs {inner}, and {reason}")
+        if inner in wanted and entry.is_file() and not entry.is_symlink():
+            _copy_library(model, entry, destination, scratch_dir)
+            _require_whole(model, entry, destination, f"shared library {path} needs {inner}, but")
             continue
         try:
-            link = os.readlink(sibling.path) if sibling.name in shipped else None  # (shipped: a file, or a link)
+            if name in leading and entry.is_dir() and not entry.is_symlink():
+                destination.mkdir(exist_ok=True)  # (the library's own folder is made first)
+                _mirror_folder(model, path, root, destination, wanted, scratch_dir, inner)
+                continue
+            link = os.readlink(entry) if inner in wanted else None  # (wanted: a file, or a link)
             if link is not None and "/" not in link:  # a link to a neighbour: to its copy
-                os.symlink(link, target)
-            else:
-                os.symlink(os.path.abspath(sibling.path), target)
+                os.symlink(link, destination)
+            elif os.path.lexists(entry):
+                os.symlink(os.path.abspath(entry), destination)
         except OSError as err:
             raise scratch_folder_refused(model, f"link the files beside shared library {path} into", scratch_dir,
                                          err) from None
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """True when ``path`` lies in ``folder``, both as written (the loader's $ORIGIN is the path it opened)."""
+    return not _outside(os.path.relpath(os.path.abspath(path), os.path.abspath(folder)))
+
+
+def _outside(relative: str) -> bool:
+    """True when the relative path ``relative`` leads out of the folder it is relative to."""
+    return relative == os.pardir or relative.startswith(os.pardir + os.sep)
 
 
 def _require_whole(model: str, path: Path, copy: Path, what: str) -> None:
@@ -271,20 +336,25 @@ class NativeLibrary:
         # The copy's code is mapped from the scratch folder: on a noexec mount dlopen could only say "failed to
         # map segment", of a file the user never named.
         require_executable_folder(model, scratch_dir, f"shared library {path} runs from a copy in")
-        # The copy keeps its name, in a folder of its own beside copies of the libraries it needs from its folder
-        # and links to the rest: a library that finds the libraries it needs beside it (a RUNPATH of $ORIGIN)
+        # The copy keeps its name and its place in a copy of its model's folder (of its own folder, for a library
+        # outside it) in a folder of its own: copies of the libraries it needs from there, links to the rest. A
+        # library that finds the libraries it needs through a RUNPATH of $ORIGIN, $ORIGIN/lib or $ORIGIN/../lib
         # finds them there.
+        self._root = model_folder if model_folder is not None and _inside(path, model_folder) else path.parent
         # (The stem cut: a name near the file system's limit of 255 bytes left no room for the suffix.)
         self._folder = scratch_dir / f"{path.stem[:100]}-{uuid.uuid4().hex[:12]}"
-        self._copy = self._folder / path.name
+        self._library = os.path.relpath(path, self._root)
+        self._copy = self._folder / self._library
+        self._shipped = _shipped_files(self._root, path)
         try:
             self._folder.mkdir()
         except OSError as err:
             raise scratch_folder_refused(model, f"copy shared library {path} into", scratch_dir, err) from None
         try:
+            self._copy.parent.mkdir(parents=True, exist_ok=True)
             _copy_library(model, path, self._copy, scratch_dir)
             _require_whole(model, path, self._copy, "shared library")
-            _copy_siblings(model, path, self._folder, scratch_dir)
+            _mirror_folder(model, path, self._root, self._folder, {self._library, *self._shipped}, scratch_dir)
         except BaseException:
             shutil.rmtree(self._folder, ignore_errors=True)
             raise
@@ -302,7 +372,7 @@ class NativeLibrary:
             shutil.rmtree(self._folder, ignore_errors=True)
             raise ConfigError(f"model '{model}': cannot load shared library {path} (dlopened from its copy in "
                               f"{scratch_dir}): {message}")
-        self._keep_system_libraries(path)
+        self._keep_system_libraries()
         try:
             self._check_api_version(model, path)
             infer = self._symbol("nereid_infer")
@@ -317,7 +387,7 @@ class NativeLibrary:
             self.close()
             raise
 
-    def _keep_system_libraries(self, path: Path) -> None:
+    def _keep_system_libraries(self) -> None:
         """Keep the libraries the copy needs from outside the model's folder (the system's: libgomp, libstdc++),
         and any thread-pool runtime it needs (OpenMP's, TBB's, even one shipped with the model), loaded for the
         server's life, as if the server itself were linked against them.
@@ -329,10 +399,10 @@ class NativeLibrary:
         model's other libraries, beside its own or elsewhere in its folder, still unload with it, and a reload
         reads them again.
         """
-        shipped = _shipped_dependencies(path)
+        shipped = {os.path.basename(relative) for relative in self._shipped}
         needed: set[str] = set()
-        for name in [path.name, *shipped]:
-            copy = self._folder / name
+        for relative in [self._library, *self._shipped]:
+            copy = self._folder / relative
             if copy.is_file() and not copy.is_symlink():
                 needed.update(needed_libraries(str(copy)))
         # (Any model's private copies count as a model's own: a name another model ships, loaded first, is that

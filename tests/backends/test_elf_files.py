@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nereid.backends.elf_files import elf_cut_short, needed_libraries
+from nereid.backends.elf_files import LinkNames, elf_cut_short, link_names, needed_libraries
 
 CC = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("c++")
 
@@ -130,3 +130,19 @@ def test_a_linked_library_needs_what_it_was_linked_with_and_is_whole(tmp_path: P
     whole = library.read_bytes()
     library.write_bytes(whole[:len(whole) // 2])
     assert elf_cut_short(str(library)).startswith(f"it is {len(whole) // 2} bytes, and its ELF headers say at least ")
+
+
+@pytest.mark.skipif(CC is None, reason="no C compiler")
+@pytest.mark.parametrize("tags,kind", [("--enable-new-dtags", "runpath"), ("--disable-new-dtags", "rpath")])
+def test_the_search_folders_a_library_was_linked_with_are_read_as_written(tmp_path: Path, tags: str,
+                                                                         kind: str) -> None:
+    """DT_RUNPATH (what the linker writes by default on most systems) or DT_RPATH (the older tag), split at ':',
+    with $ORIGIN left for the reader to put in."""
+    (tmp_path / "model.c").write_text("int model_value(void) { return 5; }\n")
+    subprocess.run([CC, "-shared", "-fPIC", "-o", str(tmp_path / "libmodel.so"), str(tmp_path / "model.c"),
+                    f"-Wl,{tags}", "-Wl,-rpath,$ORIGIN/lib:/opt/vendor/lib"], check=True, capture_output=True,
+                   timeout=120)
+    names = link_names(str(tmp_path / "libmodel.so"))
+    folders = ["$ORIGIN/lib", "/opt/vendor/lib"]
+    assert (names.runpath, names.rpath) == ((folders, []) if kind == "runpath" else (None, folders))
+    assert link_names(str(tmp_path / "model.c")) == LinkNames()  # no ELF file: nothing needed, nowhere

@@ -139,6 +139,7 @@ model = CxxModel(ModelContext("m", folder, settings, scratch, "test"))
 model.load()
 print(int(model.infer([])[0].data[0]), flush=True)
 (private,) = [path for path in scratch.glob("libmodel-*") if path.is_dir()]
+private = private / "lib"  # (in a copy of the model's folder: lib/ a folder of its own)
 print(" ".join(f"{path.name}:{'link' if path.is_symlink() else 'file'}" for path in sorted(private.iterdir())))
 shutil.copyfile(new_helper, folder / "lib" / "libhelper.so.1.2")  # a deploy's cp: the same file, rewritten
 print(int(model.infer([])[0].data[0]), flush=True)
@@ -177,6 +178,78 @@ def test_rewriting_a_dependency_beside_the_library_leaves_the_running_model_alon
     assert done.stdout.splitlines() == [
         "5", "libhelper.so:link libhelper.so.1:link libhelper.so.1.2:file libmodel.so:file libunrelated.so:link "
         "model.cpp:link", "5"], done.stdout
+
+
+_REWRITE_DEPENDENCY_IN_A_SUBFOLDER = """import shutil, sys
+from pathlib import Path
+from nereid.backend import ModelContext
+from nereid.backends.cxx.model import CxxModel
+from nereid.settings import ModelSettings
+folder, library, dependency, new_dependency, scratch = map(Path, sys.argv[1:])
+settings = ModelSettings("m", runtime={"library": str(folder / library)})
+model = CxxModel(ModelContext("m", folder, settings, scratch, "test"))
+model.load()
+print(int(model.infer([])[0].data[0]), flush=True)
+mapped = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libhelper" in line]
+print(sorted({Path(path).parent.name == dependency.parent.name and path.startswith(f"{scratch}/") for path in mapped}))
+shutil.copyfile(new_dependency, folder / dependency)  # a deploy's cp: the same file, rewritten
+print(int(model.infer([])[0].data[0]), flush=True)
+model.unload()
+"""
+
+
+@pytest.mark.parametrize("library,runpath", [("libmodel.so", "$ORIGIN/lib"), ("build/libmodel.so", "$ORIGIN/../lib"),
+                                             ("build/libmodel.so", "${ORIGIN}/../lib")])
+def test_a_dependency_in_a_subfolder_of_the_model_is_copied_with_the_library(tmp_path, library, runpath):
+    """Defect (noticed by the stop 56 native hunt): a library the model's library finds in a subfolder of the model
+    (``lib/`` under a RUNPATH ``$ORIGIN/lib``, as SDKs lay them out) was mapped from the repository through a link
+    to the folder, so a deploy's ``cp`` over it changed the code under the running model (SIGBUS or garbage); and
+    under ``$ORIGIN/../lib`` the copy found nothing, where ``ldd`` finds it, and the model did not load. The copy
+    sits in a copy of the model's folder now, holding copies of what it needs from there."""
+    folder = tmp_path / "m"
+    (folder / "lib").mkdir(parents=True)
+    (folder / "build").mkdir()
+    (folder / "model_inference.textproto").write_text('output { name: "v" data_type: "INT64" dims: [1] }\n')
+    (tmp_path / "helper.cpp").write_text('#include <cstdint>\nextern "C" int64_t helper_value() { return VALUE; }\n')
+    (tmp_path / "model.cpp").write_text(_DEPENDENT_MODEL)
+    (tmp_path / "v2").mkdir()
+    dependency = Path("lib") / "libhelper.so"
+    for value, out in ((5, folder / dependency), (7, tmp_path / "v2" / "libhelper.so")):
+        subprocess.run([CXX, "-shared", "-fPIC", f"-DVALUE={value}", "-o", str(out), str(tmp_path / "helper.cpp")],
+                       check=True, capture_output=True, timeout=120)
+    subprocess.run([CXX, "-shared", "-fPIC", "-std=c++17", f"-I{header_dir()}", "-o", str(folder / library),
+                    str(tmp_path / "model.cpp"), f"-L{folder / 'lib'}", "-lhelper", f"-Wl,-rpath,{runpath}"],
+                   check=True, capture_output=True, timeout=120)
+    (tmp_path / "scratch").mkdir()
+    done = subprocess.run([sys.executable, "-c", _REWRITE_DEPENDENCY_IN_A_SUBFOLDER, str(folder), library,
+                           str(dependency), str(tmp_path / "v2" / "libhelper.so"), str(tmp_path / "scratch")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Mapped from the copy's lib/ in the scratch folder, not the repository's.
+    assert done.stdout.splitlines() == ["5", "[True]", "5"], done.stdout
+
+
+@pytest.mark.parametrize("tags,shipped", [("--disable-new-dtags", {"lib/libkern.so", "lib2/libhelper.so"}),
+                                          ("--enable-new-dtags", {"lib/libkern.so"})])
+def test_the_files_a_library_ships_are_found_as_the_loader_finds_them(tmp_path, tags, shipped):
+    """An RPATH serves the libraries its object's dependencies need too (the loader walks the loaders' RPATH), a
+    RUNPATH only the object's own: lib/libkern.so, linked with no search folder, finds lib2/libhelper.so through
+    libmodel.so's RPATH, and nothing through its RUNPATH. A file the library does not need is not shipped."""
+    from nereid.backends.cxx.library import _shipped_files
+
+    for folder in ("lib", "lib2"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "helper.c").write_text("int helper_value(void) { return 5; }\n")
+    (tmp_path / "kern.c").write_text("int helper_value(void);\nint kern_value(void) { return helper_value(); }\n")
+    (tmp_path / "model.c").write_text("int kern_value(void);\nint model_value(void) { return kern_value(); }\n")
+    for argv in ([CXX, "-shared", "-fPIC", "-o", str(tmp_path / "lib2" / "libhelper.so"), str(tmp_path / "helper.c")],
+                 [CXX, "-shared", "-fPIC", "-o", str(tmp_path / "lib" / "libkern.so"), str(tmp_path / "kern.c"),
+                  f"-L{tmp_path / 'lib2'}", "-lhelper"],
+                 [CXX, "-shared", "-fPIC", "-o", str(tmp_path / "libmodel.so"), str(tmp_path / "model.c"),
+                  f"-L{tmp_path / 'lib'}", "-lkern", f"-Wl,{tags}", "-Wl,-rpath,$ORIGIN/lib:$ORIGIN/lib2"]):
+        subprocess.run(argv, check=True, capture_output=True, timeout=120)
+    shutil.copy(tmp_path / "lib2" / "libhelper.so", tmp_path / "lib" / "libunused.so")
+    assert _shipped_files(tmp_path, tmp_path / "libmodel.so") == shipped
 
 
 def test_a_library_in_a_folder_that_cannot_be_listed_still_loads(libs, tmp_path):
