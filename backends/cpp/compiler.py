@@ -14,6 +14,7 @@ process dlopens it (a cxx library).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -319,7 +320,7 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
             listing = work / "dependencies.d"
             listed = ["-MMD", "-MF", str(listing)] if len(sources) == 1 else []
             dependencies = None
-            with _killed_once_set(abandoned, groups):
+            with _killed_once_set(abandoned, groups), _compiler_started(compiler, what):
                 completed = run_model_process([*compiler, *arguments, *listed, "-o", str(partial)], cwd=cwd,
                                               env=compiler_environment(TMPDIR=str(work)), stdin=b"",
                                               timeout_s=COMPILE_TIMEOUT_S, groups=groups,
@@ -356,6 +357,25 @@ def _link_hint(output: str) -> str:
         return ""
     return ("\n(nothing beyond the C++ standard library is linked into a build: a model that needs another library "
             "is a cxx model with a prebuilt library:, linked as it likes; see the README's cxx backend)")
+
+
+@contextlib.contextmanager
+def _compiler_started(compiler: Compiler, what: str) -> Iterator[None]:
+    """A ConfigError naming the compiler for a compiler that cannot be run: a file that is no program (a script
+    without its ``#!`` line, a binary for another machine: ENOEXEC), one on a noexec mount, one gone since it was
+    found. It was a raw OSError, "raised by the load() of built-in backend 'cpp'", as if the backend were at
+    fault."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in _NOT_A_PROGRAM or err.filename not in (compiler[0], None):
+            raise
+        raise ConfigError(f"{what}: the C++ compiler {compiler[0]} cannot be run: {err.strerror or err} (set CXX "
+                          "to a C++ compiler, or install g++)") from None
+
+
+# What exec says of a program that cannot run: no program (ENOEXEC), not allowed (EACCES: a noexec mount), gone.
+_NOT_A_PROGRAM = frozenset({errno.ENOEXEC, errno.EACCES, errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EISDIR})
 
 
 def _read_listing(path: Path) -> str | None:

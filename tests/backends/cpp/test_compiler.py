@@ -499,3 +499,19 @@ def test_a_source_whose_name_is_not_utf8_is_keyed(tmp_path):
     first = cpp_compiler.source_hash(folder, compiler, "m")
     header.write_text("#define A 2\n")
     assert cpp_compiler.source_hash(folder, compiler, "m") != first
+
+
+@pytest.mark.parametrize("content", ["c++ -O2 \"$@\"\n", "\x7fELF\x02\x01\x01" + "\0" * 57],
+                         ids=["a script without its #! line", "a cut ELF file"])
+def test_a_compiler_that_is_no_program_is_named_as_such(tmp_path, monkeypatch, content):
+    """Noticed by the stop 56 native hunt: a CXX that exec refuses (ENOEXEC) failed the load with a raw OSError,
+    "raised by the load() of built-in backend 'cpp'", as if the backend were at fault."""
+    folder, _ = _model_including(tmp_path, 3)
+    script = tmp_path / "cc-not-a-program"
+    script.write_text(content)
+    script.chmod(0o755)
+    monkeypatch.setenv("CXX", str(script))
+    with pytest.raises(ConfigError) as refused:
+        cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert str(refused.value) == (f"{folder / 'main.cpp'}: the C++ compiler {script} cannot be run: Exec format "
+                                  "error (set CXX to a C++ compiler, or install g++)")
