@@ -219,6 +219,11 @@ def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
             if _up_to_date_copy(copy, original):
                 # Written and proved by a run whose manifest edit then failed: retrying the edit is enough.
                 what = f"kept the up-to-date {COPY_FILE}"
+            elif (foreign := _not_a_migration_copy(copy)) is not None:
+                # Someone's own file under the copy's name, which the manifest does not name: overwritten, it was
+                # lost (the exporter hunt).
+                return Outcome(f"{COPY_FILE} is there and {foreign}: left alone, and the weights too; move it away "
+                               "to migrate", False)
             else:
                 make_copy(original, copy)
                 what = f"wrote {COPY_FILE}"
@@ -269,6 +274,18 @@ def _up_to_date_copy(copy: Path, original: Path) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def _not_a_migration_copy(copy: Path) -> str | None:
+    """Why the file at ``copy`` is no migration's copy (one made from another original, or of an earlier one, is
+    one: rewritten); None when it is one, or when there is none."""
+    if not os.path.lexists(copy):
+        return None
+    try:
+        header = read_header(copy)
+    except ConfigError:
+        return "is no safetensors file a migration wrote"
+    return None if FROM_SHA256 in header.metadata else "is no migration's copy (its metadata holds no source)"
 
 
 def make_copy(original: Path, copy: Path) -> None:

@@ -281,11 +281,40 @@ def test_a_proved_copy_is_kept_when_only_the_manifest_edit_is_left_to_do(legacy)
     now = (legacy / COPY_FILE).stat()
     assert (now.st_ino, now.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
     assert load_manifest(legacy / "manifest.yaml").weights_file == COPY_FILE
-    # A file under the copy's name that is not a copy of the original as it is now is written anew.
+    # A migration's copy under the copy's name that is not a copy of the original as it is now is written anew.
     (legacy / "manifest.yaml").write_text((legacy / "manifest.yaml").read_text().replace(
         "weights_file: weights.T.safetensors\n", ""))
-    write_safetensors(legacy / COPY_FILE, [(n, a + 1) for n, a in load_weights(legacy / "weights.safetensors")])
+    elsewhere = legacy.parent / "other-weights.safetensors"
+    shutil.copy(legacy / "weights.safetensors", elsewhere)
+    with open(elsewhere, "r+b") as changed:  # another original: the last byte of its last tensor changed
+        changed.seek(-1, os.SEEK_END)
+        last = changed.read(1)
+        changed.seek(-1, os.SEEK_END)
+        changed.write(bytes([last[0] ^ 1]))
+    (legacy / COPY_FILE).unlink()
+    make_copy(elsewhere, legacy / COPY_FILE)
     assert migrate_bundle(legacy, "copy").what == f"wrote {COPY_FILE}"
+
+
+def test_a_file_of_someone_s_own_under_the_copy_s_name_is_left_alone(legacy, tmp_path) -> None:
+    """Noticed by the stop 56 exporter hunt: a hand-made weights.T.safetensors that the manifest does not name was
+    overwritten by the migration's copy, and lost."""
+    own = [(n, a + 1) for n, a in load_weights(legacy / "weights.safetensors")]
+    write_safetensors(legacy / COPY_FILE, own)
+    manifest = (legacy / "manifest.yaml").read_text()
+    for mode in ("copy", "replace"):
+        outcome = migrate_bundle(legacy, mode)
+        assert (outcome.changed, outcome.what) == (False, f"{COPY_FILE} is there and is no migration's copy (its "
+                                                          "metadata holds no source): left alone, and the weights "
+                                                          "too; move it away to migrate")
+    assert [a.tobytes() for _, a in load_weights(legacy / COPY_FILE)] == [a.tobytes() for _, a in own]
+    assert (legacy / "manifest.yaml").read_text() == manifest
+    (legacy / COPY_FILE).write_bytes(b"notes")  # no safetensors file at all
+    assert migrate_bundle(legacy, "copy").what.startswith(f"{COPY_FILE} is there and is no safetensors file a "
+                                                          "migration wrote: left alone")
+    assert (legacy / COPY_FILE).read_bytes() == b"notes"
+    # The bundle loads from its own weights meanwhile, as without the migration.
+    assert np.array_equal(serve_once(legacy, tmp_path, weights_migration="copy"), serve_once(legacy, tmp_path))
 
 
 def test_a_copy_whose_original_was_redeployed_in_program_order_is_removed(legacy, tmp_path, caplog) -> None:
