@@ -73,6 +73,12 @@ def export_bundle(fn: Callable[..., Any], example_inputs: Sequence[Any],
         # Decided first, from the values that carry a dtype of their own: a Python number narrowed to jax's 32 bits
         # before a 64-bit example turned x64 on served numbers no jax run gives (the exporter hunt).
         x64 = _default_x64(jax, _carried_dtypes(example_inputs, weights))
+    elif not x64 and (wide := _first_64_bit(example_inputs, in_names, weights)) is not None:
+        # Traced in 32 bits, the value narrowed to 32 while the bundle declared it 64: the refusal came from the
+        # bundle's own check, "parameter 0 ... is tensor<1x4xf32> in the program but the bundle declares
+        # tensor<1x4xf64>", naming neither x64 nor the value (the exporter hunt).
+        raise ExportError(f"x64=False, but {wide} is 64-bit: traced in 32 bits it would be narrowed; pass 32-bit "
+                          "arrays, or x64=True (or leave x64 out: a 64-bit value turns it on)")
     # A Python number or list takes jax's width for it: 64 bits under x64.
     examples = [_shape_dtype(x, f"example input {i} ({n!r})", x64)
                 for i, (x, n) in enumerate(zip(example_inputs, in_names))]
@@ -376,11 +382,7 @@ def _python_values_as_jax_types(weights: Any, wide: bool) -> tuple[Any, set[str]
 def _carried_dtypes(example_inputs: Sequence[Any], weights: Any) -> list[Any]:
     """The dtypes of the example inputs and weights that carry one (arrays; not Python numbers or lists, whose
     width follows x64), for :func:`_default_x64`."""
-    values = list(example_inputs)
-    if isinstance(weights, Mapping):
-        values += list(weights.values())
-    elif isinstance(weights, (list, tuple)):
-        values += [item[1] for item in weights if isinstance(item, (tuple, list)) and len(item) == 2]
+    values = [*example_inputs, *(value for _, value in _named_weights(weights))]
     dtypes = []
     for value in values:
         dtype = getattr(value, "dtype", None)
@@ -389,6 +391,30 @@ def _carried_dtypes(example_inputs: Sequence[Any], weights: Any) -> list[Any]:
         except TypeError:  # (a dtype numpy does not know, a typed key: refused later, naming it)
             continue
     return dtypes
+
+
+def _named_weights(weights: Any) -> list[tuple[Any, Any]]:
+    """The (name, value) pairs of a weights argument in either accepted form (a mapping, or pairs), before
+    :func:`weight_pairs` checks it: what is neither is left for that check to refuse."""
+    pairs = weights.items() if isinstance(weights, Mapping) else weights if isinstance(weights, (list, tuple)) else []
+    return [(item[0], item[1]) for item in pairs if isinstance(item, (tuple, list)) and len(item) == 2]
+
+
+def _first_64_bit(example_inputs: Sequence[Any], in_names: Sequence[str], weights: Any) -> str | None:
+    """The first example input or weight that carries a 64-bit dtype, described ("example input 0 ('x')
+    float64"); None when there is none."""
+    named = [(f"example input {i} ({n!r})", x) for i, (x, n) in enumerate(zip(example_inputs, in_names))]
+    named += [(f"weight {name!r}", value) for name, value in _named_weights(weights)]
+    for what, value in named:
+        dtypes = _carried_dtypes([value], None)
+        if dtypes and _is_64_bit(dtypes[0]):
+            return f"{what} ({dtypes[0]})"
+    return None
+
+
+def _is_64_bit(dtype: Any) -> bool:
+    """True for the 64-bit integer and float dtypes that x64 governs."""
+    return np.dtype(dtype).itemsize == 8 and np.dtype(dtype).kind in "iuf"
 
 
 def _default_x64(jax: Any, dtypes: Sequence[Any]) -> bool:
@@ -400,7 +426,7 @@ def _default_x64(jax: Any, dtypes: Sequence[Any]) -> bool:
     """
     if jax.config.read("jax_enable_x64"):
         return True
-    return any(np.dtype(d).itemsize == 8 and np.dtype(d).kind in "iuf" for d in dtypes)
+    return any(_is_64_bit(d) for d in dtypes)
 
 
 def _output_names(jax: Any, out_tree: Any, output_names: Sequence[str] | None) -> list[str]:

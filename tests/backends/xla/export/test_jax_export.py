@@ -152,6 +152,22 @@ def test_a_session_with_x64_on_gets_an_x64_bundle(tmp_path) -> None:
 
 
 
+
+@pytest.mark.parametrize("inputs,weights,named", [
+    ([np.zeros((1, 2), np.float64)], {}, "example input 0 ('input') (float64)"),
+    ([np.zeros((1, 2), np.float32)], [("s", np.float32(2)), ("n", np.int64(1))], "weight 'n' (int64)")])
+def test_x64_off_with_a_64_bit_value_is_refused_naming_the_value(tmp_path, inputs, weights, named) -> None:
+    """Noticed by the stop 56 exporter hunt: a 64-bit example or weight traced with x64=False was narrowed, and the
+    export refused by the bundle's own check, "parameter 0 ... is tensor<1x2xf32> in the program but the bundle
+    declares tensor<1x2xf64>", which named neither x64 nor the value."""
+    with pytest.raises(ExportError) as refused:
+        export_bundle(_scaled_shift if weights else (lambda x: x * 2), inputs, weights, directory=tmp_path / "m",
+                      batch_sizes=[1], provenance=False, x64=False)
+    assert str(refused.value) == (f"x64=False, but {named} is 64-bit: traced in 32 bits it would be narrowed; "
+                                  "pass 32-bit arrays, or x64=True (or leave x64 out: a 64-bit value turns it on)")
+    assert not (tmp_path / "m").exists()
+
+
 def _heads(x, w):
     """A dict written in an order other than its sorted keys, with outputs of three dtypes and shapes."""
     logits = x @ w
