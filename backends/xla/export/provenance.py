@@ -13,7 +13,8 @@ Two kinds of files are kept out of the patch. The folders being exported to
 re-export would record the previous export (its weights and its own patch) as an
 uncommitted change, and the patch would grow with every export. Untracked binary
 files larger than ``max_untracked_binary_bytes`` (other bundles' weights, data
-sets) are left out of the patch and named, with their sizes, in the
+sets), and untracked text files larger than ``max_untracked_text_bytes`` (a CSV
+data set, a log), are left out of the patch and named, with their sizes, in the
 ``working_tree_patch_left_out`` field: the patch then reconstructs everything else.
 """
 
@@ -34,6 +35,9 @@ PATCH_FILE = "working_tree.patch"
 # Untracked binary files above this size are left out of the patch (and named in LEFT_OUT_FIELD): a source
 # tree's own binaries are small, where model weights and data sets would make the patch as big as they are.
 MAX_UNTRACKED_BINARY_BYTES = 1 << 20
+# Untracked text files above this size are left out too: sources are far smaller, where a CSV data set or a log of
+# gigabytes went whole into every bundle's patch (and through git diff's memory).
+MAX_UNTRACKED_TEXT_BYTES = 16 << 20
 LEFT_OUT_FIELD = "working_tree_patch_left_out"
 # The files left out are named up to this many: the manifest stays a few kilobytes whatever the tree holds.
 MAX_LEFT_OUT_NAMED = 20
@@ -52,7 +56,8 @@ class Provenance:
 
 def collect_provenance(repo_dir: Path | str | None = None, *, include_patch: bool = True,
                        exclude: Iterable[Path | str] = (),
-                       max_untracked_binary_bytes: int = MAX_UNTRACKED_BINARY_BYTES) -> Provenance:
+                       max_untracked_binary_bytes: int = MAX_UNTRACKED_BINARY_BYTES,
+                       max_untracked_text_bytes: int = MAX_UNTRACKED_TEXT_BYTES) -> Provenance:
     """Provenance of the code in ``repo_dir`` (default: the working directory). Never raises.
 
     Outside a git repository the git fields are simply absent.
@@ -60,8 +65,9 @@ def collect_provenance(repo_dir: Path | str | None = None, *, include_patch: boo
     ``exclude``: folders (the bundle being exported) that are neither part of the
     dirty check nor of the patch, wherever they lie inside the work tree (a
     relative path is taken from the working directory, as ``open`` takes it).
-    Untracked binary files over ``max_untracked_binary_bytes`` are left out of the
-    patch and named in ``working_tree_patch_left_out``.
+    Untracked binary files over ``max_untracked_binary_bytes``, and text files over
+    ``max_untracked_text_bytes``, are left out of the patch and named in
+    ``working_tree_patch_left_out``.
     """
     directory = Path(repo_dir) if repo_dir is not None else Path.cwd()
     fields: dict[str, Any] = {}
@@ -83,7 +89,8 @@ def collect_provenance(repo_dir: Path | str | None = None, *, include_patch: boo
         if status is not None:
             fields["git_dirty"] = bool(status.strip())
             if fields["git_dirty"] and include_patch:
-                patch, left_out = _working_tree_patch(root, pathspec, max_untracked_binary_bytes)
+                patch, left_out = _working_tree_patch(root, pathspec, max_untracked_binary_bytes,
+                                                      max_untracked_text_bytes)
                 if patch:
                     fields["working_tree_patch"] = PATCH_FILE
                 if left_out:
@@ -139,9 +146,11 @@ def _without_credentials(remote: str) -> str:
 LeftOut = list[tuple[str, int]]
 
 
-def _working_tree_patch(root: Path, pathspec: list[str], max_binary_bytes: int) -> tuple[bytes | None, LeftOut]:
+def _working_tree_patch(root: Path, pathspec: list[str], max_binary_bytes: int,
+                        max_text_bytes: int) -> tuple[bytes | None, LeftOut]:
     """Tracked changes against HEAD plus the untracked, non-ignored files, as one binary patch, restricted to
-    ``pathspec``; and the untracked binary files over ``max_binary_bytes`` left out of it, with their sizes."""
+    ``pathspec``; and the untracked files left out of it (binary over ``max_binary_bytes``, text over
+    ``max_text_bytes``), with their sizes."""
     tracked = _git(root, "diff", *_PLAIN_DIFF, "--binary", "HEAD", "--", *pathspec)
     if tracked is None:
         return None, []
@@ -151,7 +160,7 @@ def _working_tree_patch(root: Path, pathspec: list[str], max_binary_bytes: int) 
     for name in (untracked or b"").split(b"\0"):
         if not name:
             continue
-        size = _large_binary_size(root / os.fsdecode(name), max_binary_bytes)
+        size = _too_large_size(root / os.fsdecode(name), max_binary_bytes, max_text_bytes)
         if size is not None:
             # Named in the manifest, which YAML must be able to write: undecodable bytes are replaced.
             left_out.append((name.decode(errors="replace"), size))
@@ -164,8 +173,9 @@ def _working_tree_patch(root: Path, pathspec: list[str], max_binary_bytes: int) 
     return b"".join(parts) or None, left_out
 
 
-def _large_binary_size(path: Path, max_bytes: int) -> int | None:
-    """The size of ``path`` if it is a regular binary file over ``max_bytes``, else None (it goes in the patch).
+def _too_large_size(path: Path, max_binary_bytes: int, max_text_bytes: int) -> int | None:
+    """The size of ``path`` if it is a regular binary file over ``max_binary_bytes`` or a text file over
+    ``max_text_bytes``, else None (it goes in the patch).
 
     Only a regular file is read, checked once opened (without blocking, without following a symlink): a FIFO
     would block the export. One that cannot be read is left to git.
@@ -176,14 +186,14 @@ def _large_binary_size(path: Path, max_bytes: int) -> int | None:
         return None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size <= max_bytes:
+        if not stat.S_ISREG(info.st_mode) or info.st_size <= min(max_binary_bytes, max_text_bytes):
             return None
         head = os.read(fd, _BINARY_SNIFF_BYTES)
     except OSError:
         return None
     finally:
         os.close(fd)
-    return info.st_size if b"\0" in head else None
+    return info.st_size if info.st_size > (max_binary_bytes if b"\0" in head else max_text_bytes) else None
 
 
 def _named(left_out: LeftOut) -> list[str]:

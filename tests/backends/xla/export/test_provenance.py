@@ -99,11 +99,15 @@ def test_large_untracked_binaries_are_left_out_of_the_patch_and_named(project, t
     (project / "other" / "weights.safetensors").write_bytes(bytes(range(256)) * 8)  # 2048 bytes, binary
     (project / "notes.txt").write_text("text, not binary\n" * 200)  # as large, but text: kept
     (project / "small.bin").write_bytes(bytes(16))  # binary, under the limit: kept
-    provenance = collect_provenance(project, max_untracked_binary_bytes=1024)
+    # Noticed by the stop 56 exporter hunt: a text data set of any size went whole into the patch.
+    (project / "data.csv").write_text("1.0,2.0\n" * 1000)  # 8000 bytes of text, over its own limit: left out
+    provenance = collect_provenance(project, max_untracked_binary_bytes=1024, max_untracked_text_bytes=4096)
     assert provenance.fields["git_dirty"] is True
-    assert provenance.fields["working_tree_patch_left_out"] == ["other/weights.safetensors (2048 bytes)"]
+    assert provenance.fields["working_tree_patch_left_out"] == ["data.csv (8000 bytes)",
+                                                                "other/weights.safetensors (2048 bytes)"]
     assert b"notes.txt" in provenance.patch and b"small.bin" in provenance.patch
-    assert b"weights.safetensors" not in provenance.patch
+    assert b"weights.safetensors" not in provenance.patch and b"data.csv" not in provenance.patch
+    (project / "data.csv").unlink()
     for index in range(22):  # named up to 20, then counted: the manifest stays small
         (project / f"blob{index:02d}.bin").write_bytes(bytes(2000))
     left_out = collect_provenance(project, max_untracked_binary_bytes=1024).fields["working_tree_patch_left_out"]
