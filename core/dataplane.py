@@ -22,8 +22,8 @@ from nereid import __version__
 from nereid.classification import check_classifiable, classify
 from nereid.daemon_pool import on_work_thread_or_here
 from nereid.errors import (DeadlineExceeded, InvalidArgument, ModelFailure, ModelRetired, NereidError, NotFound,
-                           PermissionDenied, PublicText, Unavailable, Unimplemented, describe_exception,
-                           shown_name)
+                           OutputsRefused, PermissionDenied, PublicText, Unavailable, Unimplemented,
+                           describe_exception, shown_name)
 from nereid.model_entry import FOUND_AFTER_START_REASON, LoadedVersion, ModelState, not_listed_reason
 from nereid.model_info import (MODEL_VERSION, IndexEntry, ModelConfig, ModelMetadata, describe_config,
                                describe_metadata)
@@ -509,14 +509,14 @@ class DataPlane:
         for name in request.requested_outputs:
             if name not in declared:
                 # The name as sent, beside the declared ones (which ModelMetadata shows as they are).
-                raise InvalidArgument(PublicText(
+                raise OutputsRefused(PublicText(
                     f"model '{request.model_name}': unknown requested output '{name}' "
                     f"(outputs: {', '.join(repr(n) for n in declared) or 'none'})"))
         wanted = set(request.requested_outputs)
         if len(wanted) < len(request.requested_outputs):
-            raise InvalidArgument(PublicText(f"model '{request.model_name}': output "
-                                             f"'{duplicated(request.requested_outputs)[0]}' is requested more "
-                                             "than once"))
+            raise OutputsRefused(PublicText(f"model '{request.model_name}': output "
+                                            f"'{duplicated(request.requested_outputs)[0]}' is requested more "
+                                            "than once"))
         for name in request.classifications:
             check_classifiable(request.model_name, name, declared[name].dtype)
         return wanted

@@ -30,6 +30,12 @@ class InvalidArgument(NereidError):
     reason = "invalid_argument"
 
 
+class OutputsRefused(InvalidArgument):
+    """A request's requested outputs that its model does not have, or that it asks for twice (gRPC
+    INVALID_ARGUMENT). Of its own kind because a meta model's sub-call refused so is its orchestration's mistake
+    (it alone chose those names), not its client's."""
+
+
 class Unavailable(NereidError):
     """A model that is not ready, a full queue, a server shutting down (gRPC UNAVAILABLE)."""
 

@@ -36,8 +36,8 @@ from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed
 from nereid.dependencies import DependencyCycle, describe_cycle, find_cycle
 from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, MissingModelFile, ModelFailure,
-                           NereidError, NotFound, QueueFull, RunNotStarted, Unavailable, describe_exception,
-                           loop_safe_call, same_kind)
+                           NereidError, NotFound, OutputsRefused, QueueFull, RunNotStarted, Unavailable,
+                           describe_exception, loop_safe_call, same_kind)
 from nereid.files import not_regular_reason, read_text_file
 from nereid.model_hooks import load_model_hooks
 from nereid.runtime_options import RuntimeOptions
@@ -275,7 +275,7 @@ class MetaModel:
                 result = await self._run_async(orchestrate, inputs, ctx)
             else:
                 result = await self._run_blocking(orchestrate, inputs, deadline_ns)
-        except _NotInDependsOn as err:  # (with the line of model.py that made the call)
+        except _MisdirectedSubCall as err:  # (with the line of model.py that made the call)
             raise ModelFailure(f"{err}{self._line_of(err).replace(' at ', '; called at ')}") from None
         except ThreadStartFailed:
             # No thread could start for a plain def orchestration (a process limit): it did not run, and never
@@ -291,7 +291,7 @@ class MetaModel:
             # A TaskGroup's failure (Python 3.11's fan-out): its sub-calls' errors in a group, which said only
             # "ExceptionGroup: unhandled errors in a TaskGroup", INTERNAL, logged again (the native hunt).
             leaf = _sole_kind_leaf(err)
-            if isinstance(leaf, _NotInDependsOn):  # (with its line, as out of the orchestration itself)
+            if isinstance(leaf, _MisdirectedSubCall):  # (with its line, as out of the orchestration itself)
                 raise ModelFailure(f"{leaf}{self._line_of(leaf).replace(' at ', '; called at ')}") from None
             if leaf is not None:
                 answered = self._as_answered(leaf)
@@ -400,7 +400,7 @@ class MetaModel:
         name = self.context.name
         if model_name not in self._callable:
             listed = ", ".join(self.depends_on) or "none"
-            raise _NotInDependsOn(f"meta model '{name}': ctx.infer('{model_name}') refused: '{model_name}' is not "
+            raise _MisdirectedSubCall(f"meta model '{name}': ctx.infer('{model_name}') refused: '{model_name}' is not "
                                   f"in depends_on of its {MANIFEST_NAME} (depends_on: {listed}); list every model it "
                                   "calls")
         if not isinstance(inputs, (list, tuple)) or not all(isinstance(t, NamedTensor) for t in inputs):
@@ -437,6 +437,11 @@ class MetaModel:
             # RunNotStarted of this model, whose orchestration did run (its own scheduler would take the kept kind
             # for one of its own: the review hunt).
             raise Unavailable(f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
+        except OutputsRefused as err:
+            # The orchestration alone chose those names (it is not told the client's): its mistake, INTERNAL, where
+            # INVALID_ARGUMENT blamed the client (the meta hunt).
+            raise _MisdirectedSubCall(f"meta model '{name}': ctx.infer('{sub}', ..., outputs="
+                                      f"{request.requested_outputs!r}) refused: {err}") from None
         except NereidError as err:
             raise same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         if not request.requested_outputs:
@@ -610,8 +615,9 @@ def _being_cancelled() -> bool:
     return task is None or task.cancelling() > 0
 
 
-class _NotInDependsOn(ModelFailure):
-    """An orchestration's sub-call of a model its manifest's depends_on does not list."""
+class _MisdirectedSubCall(ModelFailure):
+    """An orchestration's sub-call that it got wrong: of a model its manifest's depends_on does not list, or asking
+    the called model for outputs it does not have. Its model.py's line is added to the message."""
 
 
 @functools.lru_cache(maxsize=4096)

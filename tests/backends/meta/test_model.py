@@ -234,6 +234,10 @@ async def orchestrate(inputs, ctx):
     if mode == 8:    # a model missing from depends_on, called in a TaskGroup
         async with asyncio.TaskGroup() as group:
             group.create_task(ctx.infer("unlisted", inputs))
+    if mode == 9:    # outputs the sub-model does not have: the orchestration's mistake, not the client's
+        return await ctx.infer("echo", inputs, outputs=["outptu"])
+    if mode == 10:   # an output asked for twice
+        return await ctx.infer("echo", inputs, outputs=["output", "output"])
     if mode == 6:    # a group of an error of the orchestration's own beside a sub-call's: its fault
         raise ExceptionGroup("mixed", [ValueError("own"), ModelFailure("meta model 'errors': sub-call")])
     raise ValueError(f"no mode {mode}")
@@ -269,6 +273,11 @@ def test_sub_call_errors_keep_their_status_and_name_both_models(repo, serve) -> 
     expect_grpc_error("INTERNAL", call(6), "meta model 'errors': orchestrate failed", "ExceptionGroup: mixed")
     # (A call made in a task it started has no line of model.py on its stack: the task ran the coroutine.)
     expect_grpc_error("INTERNAL", call(8), "meta model 'errors': ctx.infer('unlisted') refused", "not in depends_on")
+    # (Noticed by the stop 56 meta hunt: INVALID_ARGUMENT, the client's fault, for names the orchestration chose.)
+    expect_grpc_error("INTERNAL", call(9), "meta model 'errors': ctx.infer('echo', ..., outputs=['outptu']) refused: "
+                      "model 'echo': unknown requested output 'outptu' (outputs: 'output'); called at model.py:31")
+    expect_grpc_error("INTERNAL", call(10), "ctx.infer('echo', ..., outputs=['output', 'output']) refused: model "
+                      "'echo': output 'output' is requested more than once; called at model.py:33")
 
 
 UNDECODED = """
