@@ -473,11 +473,13 @@ def _edit_manifest(path: Path, *, weights_file: object = _KEEP, format_version: 
     the end of the document (before a document-end marker ``...``), else
     right after the format_version line, indented like the top-level keys.
     """
-    text = path.read_text(encoding="utf-8")
+    with open(path, encoding="utf-8", newline="") as file:  # (line ends as written)
+        text = file.read()
     # A byte-order mark (Windows Notepad's) hid the first line from the edits, and the migration never finished
-    # (the exporter hunt): kept aside, and written back.
+    # (the exporter hunt): kept aside, and written back. So are Windows line ends, which the edit rewrote as "\n".
     bom = "\ufeff" if text.startswith("\ufeff") else ""
-    text = text[len(bom):]
+    crlf = "\r\n" in text and text.count("\r\n") == text.count("\n")
+    text = text[len(bom):].replace("\r\n", "\n") if crlf else text[len(bom):]
     try:
         before = parse_manifest_text(text, path)
     except ConfigError as err:
@@ -500,7 +502,8 @@ def _edit_manifest(path: Path, *, weights_file: object = _KEEP, format_version: 
             problem = f"does not parse: {err}"
             continue
         if after == wanted:
-            atomic_write(path, [(bom + candidate).encode("utf-8")], durable=True, mode=path.stat().st_mode & 0o7777)
+            written = candidate.replace("\n", "\r\n") if crlf else candidate
+            atomic_write(path, [(bom + written).encode("utf-8")], durable=True, mode=path.stat().st_mode & 0o7777)
             return
     raise MigrationError(f"{path}: could not change only the weights_file / format_version lines: the edited "
                          f"manifest {problem}")

@@ -87,6 +87,18 @@ def test_a_replace_keeps_the_weights_file_s_mode_and_a_manifest_s_byte_order_mar
     assert not read_header(weights).legacy
 
 
+@pytest.mark.parametrize("mode", ["copy", "replace"])
+def test_a_manifest_with_windows_line_ends_keeps_them(legacy, mode) -> None:
+    """Noticed by the stop 56 exporter hunt: a manifest saved with CRLF line ends was written back with "\\n"."""
+    manifest = legacy / "manifest.yaml"
+    manifest.write_bytes(manifest.read_bytes().replace(b"\n", b"\r\n"))
+    assert migrate_bundle(legacy, mode).changed
+    text = manifest.read_bytes()
+    assert text.count(b"\r\n") == text.count(b"\n") > 3
+    assert (b"weights_file: weights.T.safetensors\r\n" in text) == (mode == "copy")
+    assert (b'format_version: "2.1"\r\n' in text) == (mode == "replace")
+
+
 def test_a_sharded_bundle_is_left_alone_even_beside_a_legacy_weights_file(legacy, tmp_path) -> None:
     # The index picks the shards; a leftover legacy weights.safetensors (zeros here) must not be
     # migrated, since the copy's weights_file line would then win over the index.
