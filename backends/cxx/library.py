@@ -160,47 +160,53 @@ def _origin_folders(entries: list[str], origin: Path) -> list[Path]:
     return folders
 
 
-def _shipped_files(root: Path, library: Path) -> set[str]:
-    """The files under ``root`` that the shared library ``library`` (under ``root`` too) needs, directly or through
-    each other, as paths relative to ``root``.
+def _shipped_files(library: Path) -> set[Path]:
+    """The files that the shared library ``library`` (an absolute path) finds through its ``$ORIGIN`` or beside
+    it, directly or through each other: the libraries that ship with it, as absolute paths.
 
-    A DT_NEEDED name is looked for as the loader looks for it, in the folders
-    of the needing object's RUNPATH (or else RPATH, its loaders' RPATH after
-    it) that are relative to its own (``$ORIGIN``, ``$ORIGIN/lib``,
-    ``$ORIGIN/../lib``), then beside it; the first found under ``root`` is
-    shipped, with the neighbours its links lead to (``libdep.so.1 ->
-    libdep.so.1.2``). One found elsewhere first is not the model's.
+    A DT_NEEDED name is looked for as the loader looks for it: in the folders
+    of the needing object's RUNPATH, or else of its RPATH and then of its
+    loaders' RPATH (a loader with a RUNPATH adds none), those relative to its
+    own folder (``$ORIGIN``, ``$ORIGIN/lib``, ``$ORIGIN/../lib``), then beside
+    it. A link found so is followed to the file it names (``libdep.so.1 ->
+    libdep.so.1.2``, ``lib/libdep.so -> ../vendor/libdep.so``) when the link
+    reads the same as a path (no ``..`` after a linked folder).
     """
-    found: set[str] = set()
+    found: set[Path] = set()
     pending: list[tuple[Path, list[Path]]] = [(library, [])]  # (object, its loaders' RPATH folders)
     while pending:
         needing, inherited = pending.pop()
         names = link_names(str(needing))
-        own = _origin_folders(names.runpath if names.runpath is not None else names.rpath, needing.parent)
-        chain = [] if names.runpath is not None else own + inherited  # (RUNPATH ends the RPATH chain)
+        if names.runpath is not None:
+            # (Then no RPATH is read for its own needs, its loaders' neither; its RPATH adds none for its children.)
+            folders, chain = _origin_folders(names.runpath, needing.parent), inherited
+        else:
+            own = _origin_folders(names.rpath, needing.parent)
+            folders, chain = own + inherited, own + inherited
         for name in names.needed:
             if "/" in name:
                 continue  # a path: the loader opens it as written
-            for folder in [*own, *([] if names.runpath is not None else inherited), needing.parent]:
-                if os.path.lexists(folder / name):
-                    break
-            else:
-                continue
-            relative = os.path.relpath(folder / name, root)
-            while not _outside(relative) and relative not in found:
-                found.add(relative)
-                entry = root / relative
+            entry = next((folder / name for folder in [*folders, needing.parent] if os.path.lexists(folder / name)),
+                         None)
+            while entry is not None and entry not in found:
+                found.add(entry)
                 if not os.path.islink(entry):
                     pending.append((entry, chain))
                     break
-                try:
-                    link = os.readlink(entry)
-                except OSError:  # (replaced meanwhile: the mirror takes what it finds then)
-                    break
-                if "/" in link:
-                    break  # a link elsewhere: linked, not copied
-                relative = os.path.relpath(entry.parent / link, root)  # a link to a neighbour: that one is needed too
+                entry = _link_target(entry)
     return found
+
+
+def _link_target(link: Path) -> Path | None:
+    """The file the symlink ``link`` names, as a path built from the link's relative text (``..`` taken as
+    written); None for an absolute link (to the system's library: not the model's), when that path would not lead
+    where the link leads (a ``..`` after a linked folder), or when it cannot be read."""
+    try:
+        text = os.readlink(link)
+        target = Path(os.path.normpath(os.path.join(link.parent, text)))
+        return target if not os.path.isabs(text) and os.path.realpath(target) == os.path.realpath(link) else None
+    except OSError:  # (replaced meanwhile: the mirror takes what it finds then)
+        return None
 
 
 def _mirror_folder(model: str, path: Path, root: Path, target: Path, wanted: set[str], scratch_dir: Path,
@@ -214,9 +220,10 @@ def _mirror_folder(model: str, path: Path, root: Path, target: Path, wanted: set
     that copies a new one over one of them (the same file, rewritten) would
     change the code under the running model and crash the server, in a
     subfolder (``lib/`` under a RUNPATH ``$ORIGIN/lib``) as well as beside it.
-    A link among them (``libdep.so.1 -> libdep.so.1.2``) is made again, to its
-    neighbour's copy. Everything else is linked, not copied: a library kept in
-    a folder of thousands (a system's lib folder) costs no copy of them.
+    A link among them (``libdep.so.1 -> libdep.so.1.2``, ``lib/libdep.so ->
+    ../vendor/libdep.so``) is made again, leading to the copy. Everything else
+    is linked, not copied: a library kept in a folder of thousands (a system's
+    lib folder) costs no copy of them.
     """
     source = root / relative
     inside = [os.path.relpath(item, relative) for item in wanted]
@@ -241,17 +248,20 @@ def _mirror_folder(model: str, path: Path, root: Path, target: Path, wanted: set
             _require_whole(model, entry, destination, f"shared library {path} needs {inner}, but")
             continue
         try:
-            if name in leading and entry.is_dir() and not entry.is_symlink():
+            if name in leading and entry.is_dir():
+                # (A linked folder too, lib -> sdk-1.0/lib or current -> v1: a folder of its own in the copy, with the
+                # copies of what the library needs from it.)
                 destination.mkdir(exist_ok=True)  # (the library's own folder is made first)
                 _mirror_folder(model, path, root, destination, wanted, scratch_dir, inner)
                 continue
             link = os.readlink(entry) if inner in wanted else None  # (wanted: a file, or a link)
-            if link is not None and "/" not in link:  # a link to a neighbour: to its copy
+            if link is not None and not os.path.isabs(link) and \
+                    os.path.normpath(os.path.join(relative, link)) in wanted:  # a link among them: to the copy
                 os.symlink(link, destination)
             elif os.path.lexists(entry):
                 os.symlink(os.path.abspath(entry), destination)
         except OSError as err:
-            raise scratch_folder_refused(model, f"link the files beside shared library {path} into", scratch_dir,
+            raise scratch_folder_refused(model, f"link the files around shared library {path} into", scratch_dir,
                                          err) from None
 
 
@@ -340,12 +350,19 @@ class NativeLibrary:
         # outside it) in a folder of its own: copies of the libraries it needs from there, links to the rest. A
         # library that finds the libraries it needs through a RUNPATH of $ORIGIN, $ORIGIN/lib or $ORIGIN/../lib
         # finds them there.
-        self._root = model_folder if model_folder is not None and _inside(path, model_folder) else path.parent
+        # (The copy's folder holds the library's own, and every folder it finds a library in through $ORIGIN, even
+        # beyond the model's: $ORIGIN/../../shared of the copy leads into the copy, as of the library into the
+        # repository.)
+        library = Path(os.path.abspath(path))
+        shipped = _shipped_files(library)
+        start = model_folder if model_folder is not None and _inside(library, model_folder) else library.parent
+        self._root = Path(os.path.commonpath([os.path.abspath(start), *(str(file.parent) for file in shipped)]))
         # (The stem cut: a name near the file system's limit of 255 bytes left no room for the suffix.)
         self._folder = scratch_dir / f"{path.stem[:100]}-{uuid.uuid4().hex[:12]}"
-        self._library = os.path.relpath(path, self._root)
+        self._library = os.path.relpath(library, self._root)
         self._copy = self._folder / self._library
-        self._shipped = _shipped_files(self._root, path)
+        self._shipped = {os.path.relpath(file, self._root) for file in shipped}
+        self._model = model
         try:
             self._folder.mkdir()
         except OSError as err:
@@ -417,6 +434,12 @@ class NativeLibrary:
                 continue
             resolved = os.path.realpath(loaded)
             inside = any(os.path.commonpath([resolved, folder]) == folder for folder in model_folders)
+            if inside and os.path.commonpath([resolved, model_folders[0]]) != model_folders[0]:
+                # Found in the repository, not in the copy: through an absolute RUNPATH, or a link that leads there.
+                log.warning("model '%s': shared library %s needs %s, which the loader took from the model's folder "
+                            "(%s), not from the copy the server made: rewriting it while the model serves can crash "
+                            "the server; have the library find it through its RUNPATH relative to itself "
+                            "(-Wl,-rpath,'$ORIGIN/lib'), not an absolute path", self._model, self.path, name, loaded)
             if (name not in shipped and not inside) or _THREAD_POOL_RUNTIME.match(os.path.basename(name)):
                 # (Already loaded, as a dependency: NOLOAD finds it, NODELETE marks it never to be unloaded.)
                 self._libc.dlopen(name.encode(), _RTLD_NOW | _RTLD_NOLOAD | _RTLD_NODELETE)

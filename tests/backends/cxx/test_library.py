@@ -191,65 +191,116 @@ model = CxxModel(ModelContext("m", folder, settings, scratch, "test"))
 model.load()
 print(int(model.infer([])[0].data[0]), flush=True)
 mapped = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libhelper" in line]
-print(sorted({Path(path).parent.name == dependency.parent.name and path.startswith(f"{scratch}/") for path in mapped}))
-shutil.copyfile(new_dependency, folder / dependency)  # a deploy's cp: the same file, rewritten
+print(sorted({path.startswith(f"{scratch}/") for path in mapped}))
+shutil.copyfile(new_dependency, dependency)  # a deploy's cp: the same file, rewritten
 print(int(model.infer([])[0].data[0]), flush=True)
 model.unload()
+print(sorted(scratch.iterdir()))
 """
 
+# Where each layout keeps the model's library, the RUNPATH it is linked with, the dependency's real file (relative to
+# the test's folder) and the links that lead to it.
+LAYOUTS = {
+    "lib/ under $ORIGIN/lib": ("m/libmodel.so", "$ORIGIN/lib", "m/lib/libhelper.so", {}),
+    "lib/ under $ORIGIN/../lib": ("m/build/libmodel.so", "$ORIGIN/../lib", "m/lib/libhelper.so", {}),
+    "lib/ under ${ORIGIN}/../lib": ("m/build/libmodel.so", "${ORIGIN}/../lib", "m/lib/libhelper.so", {}),
+    # (The review hunt of fde27a9: a linked folder on the way to the library failed its load, "File exists".)
+    "the library's folder linked": ("m/current/libmodel.so", "$ORIGIN/lib", "m/v1/lib/libhelper.so",
+                                    {"m/current": "v1"}),
+    "lib/ linked": ("m/libmodel.so", "$ORIGIN/lib", "m/sdk-1.0/lib/libhelper.so", {"m/lib": "sdk-1.0/lib"}),
+    "a link with a slash": ("m/libmodel.so", "$ORIGIN/lib", "m/vendor/libhelper.so",
+                            {"m/lib/libhelper.so": "../vendor/libhelper.so"}),
+    "$ORIGIN/.. past the model's folder": ("m/lib/libmodel.so", "$ORIGIN/../../shared", "shared/libhelper.so", {}),
+}
 
-@pytest.mark.parametrize("library,runpath", [("libmodel.so", "$ORIGIN/lib"), ("build/libmodel.so", "$ORIGIN/../lib"),
-                                             ("build/libmodel.so", "${ORIGIN}/../lib")])
-def test_a_dependency_in_a_subfolder_of_the_model_is_copied_with_the_library(tmp_path, library, runpath):
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_dependency_in_a_subfolder_of_the_model_is_copied_with_the_library(tmp_path, layout):
     """Defect (noticed by the stop 56 native hunt): a library the model's library finds in a subfolder of the model
     (``lib/`` under a RUNPATH ``$ORIGIN/lib``, as SDKs lay them out) was mapped from the repository through a link
-    to the folder, so a deploy's ``cp`` over it changed the code under the running model (SIGBUS or garbage); and
-    under ``$ORIGIN/../lib`` the copy found nothing, where ``ldd`` finds it, and the model did not load. The copy
-    sits in a copy of the model's folder now, holding copies of what it needs from there."""
+    to the folder, so a deploy's ``cp`` over it changed the code under the running model (it answered 7, then the
+    process died of SIGSEGV); and under ``$ORIGIN/../lib`` the copy found nothing, where ``ldd`` finds it, and the
+    model did not load. The copy sits in a copy of the model's folder now (of every folder it finds a library in
+    through $ORIGIN), holding copies of what it needs from there; linked folders on the way are folders of the
+    copy's own."""
+    library, runpath, dependency, links = LAYOUTS[layout]
     folder = tmp_path / "m"
-    (folder / "lib").mkdir(parents=True)
-    (folder / "build").mkdir()
+    (tmp_path / dependency).parent.mkdir(parents=True)
+    for link, target in links.items():
+        (tmp_path / link).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / link).symlink_to(target)
+    (tmp_path / library).parent.mkdir(parents=True, exist_ok=True)  # (through a linked folder, it is there)
     (folder / "model_inference.textproto").write_text('output { name: "v" data_type: "INT64" dims: [1] }\n')
     (tmp_path / "helper.cpp").write_text('#include <cstdint>\nextern "C" int64_t helper_value() { return VALUE; }\n')
     (tmp_path / "model.cpp").write_text(_DEPENDENT_MODEL)
     (tmp_path / "v2").mkdir()
-    dependency = Path("lib") / "libhelper.so"
-    for value, out in ((5, folder / dependency), (7, tmp_path / "v2" / "libhelper.so")):
+    for value, out in ((5, tmp_path / dependency), (7, tmp_path / "v2" / "libhelper.so")):
         subprocess.run([CXX, "-shared", "-fPIC", f"-DVALUE={value}", "-o", str(out), str(tmp_path / "helper.cpp")],
                        check=True, capture_output=True, timeout=120)
-    subprocess.run([CXX, "-shared", "-fPIC", "-std=c++17", f"-I{header_dir()}", "-o", str(folder / library),
-                    str(tmp_path / "model.cpp"), f"-L{folder / 'lib'}", "-lhelper", f"-Wl,-rpath,{runpath}"],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run([CXX, "-shared", "-fPIC", "-std=c++17", f"-I{header_dir()}", "-o", str(tmp_path / library),
+                    str(tmp_path / "model.cpp"), f"-L{(tmp_path / dependency).parent}", "-lhelper",
+                    f"-Wl,-rpath,{runpath}"], check=True, capture_output=True, timeout=120)
     (tmp_path / "scratch").mkdir()
-    done = subprocess.run([sys.executable, "-c", _REWRITE_DEPENDENCY_IN_A_SUBFOLDER, str(folder), library,
-                           str(dependency), str(tmp_path / "v2" / "libhelper.so"), str(tmp_path / "scratch")],
+    done = subprocess.run([sys.executable, "-c", _REWRITE_DEPENDENCY_IN_A_SUBFOLDER, str(folder),
+                           str((tmp_path / library).relative_to(folder)), str(tmp_path / dependency),
+                           str(tmp_path / "v2" / "libhelper.so"), str(tmp_path / "scratch")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
-    # Mapped from the copy's lib/ in the scratch folder, not the repository's.
-    assert done.stdout.splitlines() == ["5", "[True]", "5"], done.stdout
+    # Mapped from the copy in the scratch folder, not the repository's; nothing left there after the unload.
+    assert done.stdout.splitlines() == ["5", "[True]", "5", "[]"], done.stdout
 
 
-@pytest.mark.parametrize("tags,shipped", [("--disable-new-dtags", {"lib/libkern.so", "lib2/libhelper.so"}),
-                                          ("--enable-new-dtags", {"lib/libkern.so"})])
+def test_a_dependency_found_in_the_model_s_folder_by_an_absolute_runpath_is_named(tmp_path, caplog):
+    """The review hunt of fde27a9: an absolute RUNPATH into the model's folder (a build tree's) cannot lead to the
+    copy, so the loader maps the repository's file, which a rewrite changes under the running model: said."""
+    from nereid.backends.cxx.library import NativeLibrary
+
+    folder = tmp_path / "m"
+    (folder / "lib").mkdir(parents=True)
+    (tmp_path / "helper.cpp").write_text('#include <cstdint>\nextern "C" int64_t helper_value() { return 5; }\n')
+    (tmp_path / "model.cpp").write_text(_DEPENDENT_MODEL)
+    subprocess.run([CXX, "-shared", "-fPIC", "-o", str(folder / "lib" / "libhelperabs.so"),
+                    str(tmp_path / "helper.cpp")], check=True, capture_output=True, timeout=120)
+    subprocess.run([CXX, "-shared", "-fPIC", "-std=c++17", f"-I{header_dir()}", "-o", str(folder / "libmodel.so"),
+                    str(tmp_path / "model.cpp"), f"-L{folder / 'lib'}", "-lhelperabs",
+                    f"-Wl,-rpath,{folder / 'lib'}"], check=True, capture_output=True, timeout=120)
+    (tmp_path / "scratch").mkdir()
+    with caplog.at_level(logging.WARNING, logger="nereid.backends.cxx.library"):
+        library = NativeLibrary("m", folder / "libmodel.so", tmp_path / "scratch", folder)
+        library.close()
+    assert caplog.messages == [
+        f"model 'm': shared library {folder / 'libmodel.so'} needs libhelperabs.so, which the loader took from the "
+        f"model's folder ({folder / 'lib' / 'libhelperabs.so'}), not from the copy the server made: rewriting it "
+        "while the model serves can crash the server; have the library find it through its RUNPATH relative to "
+        "itself (-Wl,-rpath,'$ORIGIN/lib'), not an absolute path"]
+
+
+@pytest.mark.parametrize("tags,shipped", [
+    ("--disable-new-dtags", {"lib/libkern.so", "lib/libmid.so", "lib2/libhelper.so"}),
+    ("--enable-new-dtags", {"lib/libkern.so", "lib/libmid.so"})])
 def test_the_files_a_library_ships_are_found_as_the_loader_finds_them(tmp_path, tags, shipped):
-    """An RPATH serves the libraries its object's dependencies need too (the loader walks the loaders' RPATH), a
-    RUNPATH only the object's own: lib/libkern.so, linked with no search folder, finds lib2/libhelper.so through
-    libmodel.so's RPATH, and nothing through its RUNPATH. A file the library does not need is not shipped."""
+    """An RPATH serves the libraries its object's dependencies need too (the loader walks the loaders' RPATH, past
+    a loader with a RUNPATH, which adds none), a RUNPATH only the object's own: lib/libmid.so, linked with no search
+    folder and loaded by lib/libkern.so (RUNPATH $ORIGIN), finds lib2/libhelper.so through libmodel.so's RPATH, and
+    nothing through its RUNPATH (the review hunt of fde27a9). A file the library does not need is not shipped."""
     from nereid.backends.cxx.library import _shipped_files
 
     for folder in ("lib", "lib2"):
         (tmp_path / folder).mkdir()
     (tmp_path / "helper.c").write_text("int helper_value(void) { return 5; }\n")
-    (tmp_path / "kern.c").write_text("int helper_value(void);\nint kern_value(void) { return helper_value(); }\n")
+    (tmp_path / "mid.c").write_text("int helper_value(void);\nint mid_value(void) { return helper_value(); }\n")
+    (tmp_path / "kern.c").write_text("int mid_value(void);\nint kern_value(void) { return mid_value(); }\n")
     (tmp_path / "model.c").write_text("int kern_value(void);\nint model_value(void) { return kern_value(); }\n")
     for argv in ([CXX, "-shared", "-fPIC", "-o", str(tmp_path / "lib2" / "libhelper.so"), str(tmp_path / "helper.c")],
-                 [CXX, "-shared", "-fPIC", "-o", str(tmp_path / "lib" / "libkern.so"), str(tmp_path / "kern.c"),
+                 [CXX, "-shared", "-fPIC", "-o", str(tmp_path / "lib" / "libmid.so"), str(tmp_path / "mid.c"),
                   f"-L{tmp_path / 'lib2'}", "-lhelper"],
+                 [CXX, "-shared", "-fPIC", "-o", str(tmp_path / "lib" / "libkern.so"), str(tmp_path / "kern.c"),
+                  f"-L{tmp_path / 'lib'}", "-lmid", "-Wl,--enable-new-dtags", "-Wl,-rpath,$ORIGIN"],
                  [CXX, "-shared", "-fPIC", "-o", str(tmp_path / "libmodel.so"), str(tmp_path / "model.c"),
                   f"-L{tmp_path / 'lib'}", "-lkern", f"-Wl,{tags}", "-Wl,-rpath,$ORIGIN/lib:$ORIGIN/lib2"]):
         subprocess.run(argv, check=True, capture_output=True, timeout=120)
     shutil.copy(tmp_path / "lib2" / "libhelper.so", tmp_path / "lib" / "libunused.so")
-    assert _shipped_files(tmp_path, tmp_path / "libmodel.so") == shipped
+    assert _shipped_files(tmp_path / "libmodel.so") == {tmp_path / name for name in shipped}
 
 
 def test_a_library_in_a_folder_that_cannot_be_listed_still_loads(libs, tmp_path):
