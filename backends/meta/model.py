@@ -27,6 +27,8 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from nereid.backend import REQUEST_DEADLINE_NS, ModelContext, RuntimeReport
 from nereid.batching import deadline_passed
 from nereid.backends.xla.device import check_xla_flags
@@ -444,11 +446,15 @@ class MetaModel:
                                       f"{request.requested_outputs!r}) refused: {err}") from None
         except NereidError as err:
             raise same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
+        # Read-only views, whatever the called backend answered: a cxx model's buffers were writable, a gRPC-read
+        # or bundle's not, so `y.data += b` worked or failed by the backend called (and wrote into a buffer a
+        # plugin may hand every caller). A view: the backend's own array is left as it is.
+        outputs = [NamedTensor(tensor.name, tensor.dtype, _read_only(tensor.data)) for tensor in response.outputs]
         if not request.requested_outputs:
-            return response.outputs
+            return outputs
         # In the order asked for, as `qs, y = await ctx.infer(m, x, outputs=["qs", "y"])` reads them (the data
         # plane answers in the model's declared order: that unpacking swapped the two).
-        by_name = {tensor.name: tensor for tensor in response.outputs}
+        by_name = {tensor.name: tensor for tensor in outputs}
         return [by_name[output] for output in request.requested_outputs]
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -613,6 +619,13 @@ def _being_cancelled() -> bool:
     end, not an orchestration's own."""
     task = asyncio.current_task()
     return task is None or task.cancelling() > 0
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view of ``array`` (no copy; ``array`` itself keeps its flags)."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 class _MisdirectedSubCall(ModelFailure):

@@ -280,6 +280,40 @@ def test_sub_call_errors_keep_their_status_and_name_both_models(repo, serve) -> 
                       "'echo': output 'output' is requested more than once; called at model.py:33")
 
 
+READ_ONLY_OUTPUTS = """
+import numpy as np
+import nereid
+from nereid.tensors import NamedTensor
+
+async def orchestrate(inputs, ctx):
+    (x,) = inputs
+    (doubled,) = await ctx.infer("cxx_scale", [NamedTensor.from_array("input", np.tile(x.data, 2)[None, :])])
+    (echoed,) = await ctx.infer("echo", inputs)
+    refused = 0
+    for array in (doubled.data, echoed.data):
+        try:
+            array += 1
+        except ValueError:  # output array is read-only
+            refused += 1
+    flags = [doubled.data.flags.writeable, echoed.data.flags.writeable]
+    return [NamedTensor.from_array("output", np.array([refused, *flags, doubled.data[0, 1]], np.float32))]
+
+nereid.register_model(orchestrate=orchestrate)
+"""
+
+
+def test_a_sub_call_s_outputs_are_read_only_whatever_the_backend_called(repo, serve) -> None:
+    """Carried from stop 55: a cxx model's outputs reached the orchestration writable, a python model's read-only,
+    so `y.data += b` worked or failed by the backend called."""
+    add_shipped(repo, "cxx_scale")
+    repo.python("echo")
+    add_meta(repo, "reads", READ_ONLY_OUTPUTS, ["cxx_scale", "echo"])
+    server = serve(repo.write_config('- name: cxx_scale\n  backend: cxx\n'
+                                     '  runtime: {sources: ["$MODEL_FOLDER/scale.cpp"]}\n'
+                                     '- name: echo\n- name: reads\n'))
+    assert infer(server.client, "reads", X).tolist() == [2, 0, 0, 2 * X[1]]
+
+
 UNDECODED = """
 import nereid
 from nereid.errors import InvalidArgument
