@@ -187,8 +187,8 @@ def _read_settings(config: Path, listeners: Listeners) -> Settings | None:
     stderr) when it cannot be used."""
     try:
         settings = load_settings(config)
-        if (clash := listeners.clash(settings.server)) is not None:
-            raise ConfigError(f"{settings.source}: {clash}")
+        if (clash := listeners.clash(settings.server, settings.source)) is not None:
+            raise ConfigError(clash)
     except ConfigError as err:
         print(one_record_per_line(f"error: {err}"), file=sys.stderr)
         return None

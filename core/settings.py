@@ -261,8 +261,9 @@ class Listeners:
         return ((self.metrics_addr, "--metrics-bind") if self.metrics_addr is not None
                 else (server.metrics_addr, "server.metrics_addr"))
 
-    def clash(self, server: ServerSettings) -> str | None:
-        """Why two of the listeners would take the same port of the same interface (naming both origins), or None.
+    def clash(self, server: ServerSettings, source: Path | str = "") -> str | None:
+        """Why two of the listeners would take the same port of the same interface (naming both origins, after
+        ``source``, the configuration file's name, when one of them is its), or None.
 
         Checked before anything binds (by ``nereid serve`` with its flags, and by
         ``nereid check``): the second listener would fail with the system's
@@ -283,8 +284,10 @@ class Listeners:
             hosts = _interfaces(host)
             for other_port, other_hosts, other_address, other_origin in seen:
                 if port == other_port and _overlap(hosts, other_hosts):
-                    return (f"{origin}: {address} would take the port that {other_origin} ({other_address}) "
-                            "takes; each listener needs an address of its own")
+                    # (Two flags are no mistake of the file's: its name led the message to the wrong place.)
+                    from_file = str(source) and not (origin.startswith("--") and other_origin.startswith("--"))
+                    return (f"{f'{source}: ' if from_file else ''}{origin}: {address} would take the port that "
+                            f"{other_origin} ({other_address}) takes; each listener needs an address of its own")
             seen.append((port, hosts, address, origin))
         return None
 

@@ -435,6 +435,19 @@ def test_two_listeners_on_one_port_of_one_interface_clash_naming_both(root: Path
     assert Listeners(http_addr="127.0.0.1:8999").clash(server) is None
 
 
+def test_a_clash_names_the_configuration_file_only_when_one_of_its_keys_is_in_it(root: Path) -> None:
+    """Noticed by the stop 56 CLI hunt: two command-line flags on one port were said to be the file's mistake
+    ("nereid.yaml: --http-bind: ...")."""
+    server = load_settings(write(root, 'server:\n  ml_backends_path: ml-backends\n  bind_addr: "127.0.0.1:9000"\n'
+                                       '  http_addr: "127.0.0.1:9001"\n')).server
+    flags = Listeners(bind_addr="127.0.0.1:8000", http_addr="127.0.0.1:8000")
+    assert flags.clash(server, "prod.yaml") == ("--http-bind: 127.0.0.1:8000 would take the port that --bind "
+                                                "(127.0.0.1:8000) takes; each listener needs an address of its own")
+    assert Listeners(http_addr="127.0.0.1:9000").clash(server, "prod.yaml") == (
+        "prod.yaml: --http-bind: 127.0.0.1:9000 would take the port that server.bind_addr (127.0.0.1:9000) takes; "
+        "each listener needs an address of its own")
+
+
 @pytest.mark.parametrize("lines, allowed", [
     ('  bind_addr: "[::1]:50051"\n  http_addr: "127.0.0.1:8000"\n', True),
     ('  bind_addr: "localhost:50051"\n  http_addr: ""\n', True),
