@@ -402,9 +402,9 @@ class MetaModel:
         name = self.context.name
         if model_name not in self._callable:
             listed = ", ".join(self.depends_on) or "none"
-            raise _MisdirectedSubCall(f"meta model '{name}': ctx.infer('{model_name}') refused: '{model_name}' is not "
-                                  f"in depends_on of its {MANIFEST_NAME} (depends_on: {listed}); list every model it "
-                                  "calls")
+            raise _MisdirectedSubCall(f"meta model '{name}': ctx.infer('{model_name}') refused: '{model_name}' is "
+                                      f"not in depends_on of its {MANIFEST_NAME} (depends_on: {listed}); list every "
+                                      "model it calls")
         if not isinstance(inputs, (list, tuple)) or not all(isinstance(t, NamedTensor) for t in inputs):
             raise TypeError(f"ctx.infer('{model_name}', inputs): inputs must be a list of nereid.tensors.NamedTensor, "
                             f"got {type(inputs).__name__}")
