@@ -10,6 +10,7 @@ changed library can be loaded in its place. Functions are called through
 from __future__ import annotations
 
 import ctypes
+import filecmp
 import functools
 import logging
 import os
@@ -434,12 +435,9 @@ class NativeLibrary:
                 continue
             resolved = os.path.realpath(loaded)
             inside = any(os.path.commonpath([resolved, folder]) == folder for folder in model_folders)
-            if inside and os.path.commonpath([resolved, model_folders[0]]) != model_folders[0]:
-                # Found in the repository, not in the copy: through an absolute RUNPATH, or a link that leads there.
-                log.warning("model '%s': shared library %s needs %s, which the loader took from the model's folder "
-                            "(%s), not from the copy the server made: rewriting it while the model serves can crash "
-                            "the server; have the library find it through its RUNPATH relative to itself "
-                            "(-Wl,-rpath,'$ORIGIN/lib'), not an absolute path", self._model, self.path, name, loaded)
+            if inside:
+                self._say_whose(name, loaded, resolved, os.path.commonpath([resolved, model_folders[0]]) ==
+                                model_folders[0])
             if (name not in shipped and not inside) or _THREAD_POOL_RUNTIME.match(os.path.basename(name)):
                 # (Already loaded, as a dependency: NOLOAD finds it, NODELETE marks it never to be unloaded.)
                 self._libc.dlopen(name.encode(), _RTLD_NOW | _RTLD_NOLOAD | _RTLD_NODELETE)
@@ -451,6 +449,32 @@ class NativeLibrary:
                     if dependency not in seen:
                         seen.add(dependency)
                         pending.append(dependency)
+
+    def _say_whose(self, name: str, loaded: str, resolved: str, in_scratch: bool) -> None:
+        """Warn of a library ``name`` of a model's own that the loader did not take from this copy's folder:
+        from the repository (an absolute RUNPATH, a link leading there), whose rewrite changes code under the running
+        model; or another copy of its name (another model's, or an earlier version's of this one, still loaded),
+        when it differs from the one this copy ships: the loader shares a library by its name, so the one shipped
+        is not run until no loaded model holds one of that name."""
+        if not in_scratch:
+            log.warning("model '%s': shared library %s needs %s, which the loader took from the model's folder "
+                        "(%s), not from the copy the server made: rewriting it while the model serves can crash the "
+                        "server; have the library find it through its RUNPATH relative to itself "
+                        "(-Wl,-rpath,'$ORIGIN/lib'), not an absolute path", self._model, self.path, name, loaded)
+            return
+        own = os.path.realpath(self._folder)
+        if os.path.commonpath([resolved, own]) == own:
+            return
+        shipped = [self._folder / relative for relative in self._shipped if os.path.basename(relative) == name]
+        try:
+            same = any(filecmp.cmp(copy, resolved, shallow=False) for copy in shipped)
+        except OSError:  # (the other copy gone meanwhile: unloaded)
+            return
+        if shipped and not same:
+            log.warning("model '%s': shared library %s ships %s, but the loader gave it the one already loaded under "
+                        "that name (for another model, or a version of this one still loaded), which differs: the "
+                        "loader shares a library by its name, so the one it ships runs only once no loaded model "
+                        "holds one of that name (unload them, then load)", self._model, self.path, name)
 
     def _loaded_path(self, name: str) -> str | None:
         """Where the loader found the library ``name`` the copy needs (the path it mapped), or None when it is not

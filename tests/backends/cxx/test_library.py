@@ -563,6 +563,51 @@ def test_an_openmp_runtime_a_library_in_a_subfolder_of_the_model_needs_stays_loa
                                "libgomp", "libkernxyz.so") == ["libgomp"]
 
 
+TWO_MODELS_LOADED = '''
+import logging, sys
+from pathlib import Path
+from nereid.backends.cxx.library import NativeLibrary
+
+logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+first = NativeLibrary("a", Path(sys.argv[1]), Path(sys.argv[3]), Path(sys.argv[1]).parent)
+second = NativeLibrary("b", Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[2]).parent)
+second.close()
+first.close()
+'''
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["the same", "another"])
+def test_a_dependency_of_a_name_another_model_loaded_first_is_named_when_it_differs(tmp_path, same):
+    """Carried from stop 48: the loader shares a library by its name, so a model shipping a rebuilt libdep.so
+    beside one loaded for another model (or for its own version still serving, in a reload) ran the old one, and
+    nothing said so: a WARNING now, when the two differ."""
+    (tmp_path / "uses.cpp").write_text('#include "nereid_cxx.h"\nextern "C" int nereid_dep_value_xyz();\n'
+                                       'extern "C" int nereid_infer(void*, const nereid_tensor*, size_t, '
+                                       'nereid_tensor*, size_t, char*, size_t) {\n'
+                                       '    return nereid_dep_value_xyz() - 1;\n}\n')
+    for model, value in (("a", 1), ("b", 2)):
+        folder = tmp_path / model
+        folder.mkdir()
+        (tmp_path / f"dep{model}.cpp").write_text(f'extern "C" int nereid_dep_value_xyz() {{ return {value}; }}\n')
+        for argv in ([CXX, "-shared", "-fPIC", "-Wl,-soname,libnereidsharedxyz.so", "-o",
+                      str(folder / "libnereidsharedxyz.so"), str(tmp_path / f"dep{model}.cpp")],
+                     [CXX, "-shared", "-fPIC", f"-I{header_dir()}", f"-L{folder}", "-Wl,-rpath,$ORIGIN", "-o",
+                      str(folder / "libuses.so"), str(tmp_path / "uses.cpp"), "-lnereidsharedxyz"]):
+            assert subprocess.run(argv, capture_output=True).returncode == 0, argv
+    if same:  # (the same file shipped by both: a reload of an unchanged model)
+        shutil.copy(tmp_path / "a" / "libnereidsharedxyz.so", tmp_path / "b" / "libnereidsharedxyz.so")
+    (tmp_path / "scratch").mkdir()
+    ran = subprocess.run([sys.executable, "-c", TWO_MODELS_LOADED, str(tmp_path / "a" / "libuses.so"),
+                          str(tmp_path / "b" / "libuses.so"), str(tmp_path / "scratch")],
+                         capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.splitlines() == ([] if same else [
+        f"model 'b': shared library {tmp_path / 'b' / 'libuses.so'} ships libnereidsharedxyz.so, but the loader "
+        "gave it the one already loaded under that name (for another model, or a version of this one still "
+        "loaded), which differs: the loader shares a library by its name, so the one it ships runs only once no "
+        "loaded model holds one of that name (unload them, then load)"])
+
+
 TWO_MODELS_MAPPED_AFTER_CLOSE = '''
 import sys
 from pathlib import Path
