@@ -163,7 +163,9 @@ def migrate_for_load(folder: Path, mode: str, model: str) -> bool:
         log.error("model '%s': weights migration (%s) did not run: %s; the bundle loads as it is", model, mode,
                   failure_reason(err))
         return True  # a step may have completed before the failure: re-read the bundle
-    if outcome.changed:
+    if outcome.blocked:  # (said at each load: a load is rare, and the migration asked for is not done)
+        log.warning("model '%s': weights migration (%s): %s", model, mode, outcome.what)
+    elif outcome.changed:
         log.info("model '%s': weights migration (%s): %s", model, mode, outcome.what)
     return outcome.changed
 
@@ -177,10 +179,12 @@ def failure_reason(err: Exception) -> str:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a migration did."""
+    """What a migration did; ``blocked``: it could not do what was asked until the user acts (said as a WARNING at
+    a load, and an exit status of 1 offline)."""
 
     what: str
     changed: bool
+    blocked: bool = False
 
 
 def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
@@ -223,7 +227,7 @@ def migrate_bundle(folder: Path | str, mode: str) -> Outcome:
                 # Someone's own file under the copy's name, which the manifest does not name: overwritten, it was
                 # lost (the exporter hunt).
                 return Outcome(f"{COPY_FILE} is there and {foreign}: left alone, and the weights too; move it away "
-                               "to migrate", False)
+                               "to migrate", False, blocked=True)
             else:
                 make_copy(original, copy)
                 what = f"wrote {COPY_FILE}"
@@ -476,10 +480,11 @@ def _edit_manifest(path: Path, *, weights_file: object = _KEEP, format_version: 
     with open(path, encoding="utf-8", newline="") as file:  # (line ends as written)
         text = file.read()
     # A byte-order mark (Windows Notepad's) hid the first line from the edits, and the migration never finished
-    # (the exporter hunt): kept aside, and written back. So are Windows line ends, which the edit rewrote as "\n".
+    # (the exporter hunt): kept aside, and written back. So are one kind of line ends throughout (Windows' "\r\n",
+    # old Mac's "\r"), which the edit rewrote as "\n"; mixed ones are edited and written as "\n", as before.
     bom = "\ufeff" if text.startswith("\ufeff") else ""
-    crlf = "\r\n" in text and text.count("\r\n") == text.count("\n")
-    text = text[len(bom):].replace("\r\n", "\n") if crlf else text[len(bom):]
+    ends = _line_ends(text)
+    text = text[len(bom):].replace("\r\n", "\n").replace("\r", "\n")
     try:
         before = parse_manifest_text(text, path)
     except ConfigError as err:
@@ -502,11 +507,21 @@ def _edit_manifest(path: Path, *, weights_file: object = _KEEP, format_version: 
             problem = f"does not parse: {err}"
             continue
         if after == wanted:
-            written = candidate.replace("\n", "\r\n") if crlf else candidate
+            written = candidate.replace("\n", ends)
             atomic_write(path, [(bom + written).encode("utf-8")], durable=True, mode=path.stat().st_mode & 0o7777)
             return
     raise MigrationError(f"{path}: could not change only the weights_file / format_version lines: the edited "
                          f"manifest {problem}")
+
+
+def _line_ends(text: str) -> str:
+    """The line end ``text`` uses throughout ("\r\n", "\r" or "\n"); "\n" for mixed ones, or none."""
+    crlf, cr, lf = text.count("\r\n"), text.count("\r"), text.count("\n")
+    if crlf and crlf == cr == lf:
+        return "\r\n"
+    if cr and not lf:
+        return "\r"
+    return "\n"
 
 
 def _top_level_indent(text: str) -> str:

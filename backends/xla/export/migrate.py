@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{bundle}: FAILED: {failure_reason(err)}")
             continue
         print(f"{bundle}: {outcome.what}")
+        failures += outcome.blocked  # (not migrated, for a reason the user must act on: a file of theirs in the way)
     return 1 if failures else 0
 
 

@@ -95,3 +95,14 @@ def test_offline_tool_removes_a_killed_migration_s_temporary_file(legacy, capsys
     os.utime(left, (old, old))
     assert main([str(legacy)]) == 0
     assert not left.exists()
+
+
+def test_offline_tool_exits_1_for_a_bundle_a_file_of_the_user_s_keeps_from_migrating(legacy, capsys) -> None:
+    """The review hunt of fdd200e: a weights.T.safetensors of the user's own, left alone, exited 0 as if migrated."""
+    from nereid.backends.xla.export.migrate import main
+
+    (legacy / COPY_FILE).write_bytes(b"notes")
+    assert main(["--mode", "replace", str(legacy)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"{legacy}: {COPY_FILE} is there and is no safetensors file a migration wrote: left alone, and the weights "
+        "too; move it away to migrate"]
