@@ -37,8 +37,8 @@ from nereid.backends.xla.manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, Man
 from nereid.backends.xla.signatures import batch_mode, build_signature
 from nereid.daemon_pool import DaemonThreadPool, ThreadStartFailed
 from nereid.dependencies import DependencyCycle, describe_cycle, find_cycle
-from nereid.errors import (ConfigError, DeadlineExceeded, LoggedModelFailure, MissingModelFile, ModelFailure,
-                           NereidError, NotFound, OutputsRefused, QueueFull, RunNotStarted, Unavailable,
+from nereid.errors import (ConfigError, DeadlineExceeded, InvalidArgument, LoggedModelFailure, MissingModelFile,
+                           ModelFailure, NereidError, NotFound, OutputsRefused, QueueFull, RunNotStarted, Unavailable,
                            describe_exception, loop_safe_call, same_kind)
 from nereid.files import not_regular_reason, read_text_file
 from nereid.model_hooks import load_model_hooks
@@ -442,8 +442,8 @@ class MetaModel:
         except OutputsRefused as err:
             # The orchestration alone chose those names (it is not told the client's): its mistake, INTERNAL, where
             # INVALID_ARGUMENT blamed the client (the meta hunt).
-            raise _MisdirectedSubCall(f"meta model '{name}': ctx.infer('{sub}', ..., outputs="
-                                      f"{request.requested_outputs!r}) refused: {err}") from None
+            raise _OutputsNotThere(f"meta model '{name}': ctx.infer('{sub}', ..., outputs="
+                                   f"{request.requested_outputs!r}) refused: {err}") from None
         except NereidError as err:
             raise same_kind(err, f"meta model '{name}': sub-call to '{sub}' failed: {err}") from err
         # Read-only views, whatever the called backend answered: a cxx model's buffers were writable, a gRPC-read
@@ -631,6 +631,12 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 class _MisdirectedSubCall(ModelFailure):
     """An orchestration's sub-call that it got wrong: of a model its manifest's depends_on does not list, or asking
     the called model for outputs it does not have. Its model.py's line is added to the message."""
+
+
+class _OutputsNotThere(_MisdirectedSubCall, InvalidArgument):
+    """A sub-call asking the called model for outputs it does not have: the orchestration's mistake (INTERNAL once
+    it escapes), still an InvalidArgument to the orchestration, as it was: one that catches that around its
+    sub-calls catches it as before (the review hunt of 3df12bd)."""
 
 
 @functools.lru_cache(maxsize=4096)

@@ -209,7 +209,7 @@ ERRORS = '''
 import asyncio
 import numpy as np
 import nereid
-from nereid.errors import ModelFailure
+from nereid.errors import InvalidArgument, ModelFailure
 from nereid.tensors import NamedTensor
 
 async def orchestrate(inputs, ctx):
@@ -238,6 +238,11 @@ async def orchestrate(inputs, ctx):
         return await ctx.infer("echo", inputs, outputs=["outptu"])
     if mode == 10:   # an output asked for twice
         return await ctx.infer("echo", inputs, outputs=["output", "output"])
+    if mode == 11:   # caught as the InvalidArgument it was to the orchestration
+        try:
+            return await ctx.infer("echo", inputs, outputs=["outptu"])
+        except InvalidArgument:
+            return [NamedTensor.from_array("output", np.full_like(x.data, -2))]
     if mode == 6:    # a group of an error of the orchestration's own beside a sub-call's: its fault
         raise ExceptionGroup("mixed", [ValueError("own"), ModelFailure("meta model 'errors': sub-call")])
     raise ValueError(f"no mode {mode}")
@@ -278,6 +283,7 @@ def test_sub_call_errors_keep_their_status_and_name_both_models(repo, serve) -> 
                       "model 'echo': unknown requested output 'outptu' (outputs: 'output'); called at model.py:31")
     expect_grpc_error("INTERNAL", call(10), "ctx.infer('echo', ..., outputs=['output', 'output']) refused: model "
                       "'echo': output 'output' is requested more than once; called at model.py:33")
+    np.testing.assert_array_equal(call(11)(), np.full(4, -2, np.float32))
 
 
 READ_ONLY_OUTPUTS = """
