@@ -10,12 +10,13 @@ changed library can be loaded in its place. Functions are called through
 from __future__ import annotations
 
 import ctypes
-import filecmp
 import functools
+import hashlib
 import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -56,6 +57,12 @@ _RTLD_DI_LINKMAP = 2  # dlinfo's request for an object's struct link_map
 # Runtimes whose pool threads outlive every call into them, spinning in their code: never unloaded (see
 # NativeLibrary._keep_system_libraries). GNU and LLVM OpenMP, Intel's, TBB; a wheel's vendored copy carries a hash.
 _THREAD_POOL_RUNTIME = re.compile(r"lib(gomp|omp|iomp5|tbb)([-.].*)?\.so")
+# The content digest of each dependency copy a load of this process made, by the copy's path (and the links to it
+# beside it): kept after its folder is removed, where a library of its name may stay mapped, held by another model,
+# so that a later load given it can still tell whether it ships the same (see NativeLibrary._say_whose).
+_COPY_DIGESTS: dict[str, str] = {}
+_COPY_DIGESTS_LOCK = threading.Lock()  # (loads run on threads of their own)
+_MAX_COPY_DIGESTS = 4096  # the oldest forgotten past this: a warning missed, never a wrong one
 
 
 @functools.cache
@@ -266,6 +273,36 @@ def _mirror_folder(model: str, path: Path, root: Path, target: Path, wanted: set
                                          err) from None
 
 
+def _remember_copies(paths: list[Path]) -> None:
+    """Record the content digest of each dependency copy (a file, or a link to one beside it) by its path and its
+    real path, for :meth:`NativeLibrary._say_whose`."""
+    digests: dict[str, str] = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        if real not in digests:
+            try:
+                with open(real, "rb") as file:
+                    digests[real] = hashlib.file_digest(file, "sha256").hexdigest()
+            except OSError:
+                continue
+        digests[os.path.abspath(path)] = digests[real]
+    with _COPY_DIGESTS_LOCK:
+        _COPY_DIGESTS.update(digests)
+        while len(_COPY_DIGESTS) > _MAX_COPY_DIGESTS:
+            del _COPY_DIGESTS[next(iter(_COPY_DIGESTS))]
+
+
+def _copy_digest(path: str) -> str | None:
+    """The digest recorded for the dependency copy at ``path`` (None: no copy a load made)."""
+    with _COPY_DIGESTS_LOCK:
+        return _COPY_DIGESTS.get(os.path.abspath(path))
+
+
+def _under(path: str, folder: str) -> bool:
+    """True when the real path ``path`` lies in the real folder ``folder``."""
+    return os.path.commonpath([path, folder]) == folder
+
+
 def _inside(path: Path, folder: Path) -> bool:
     """True when ``path`` lies in ``folder``, both as written (the loader's $ORIGIN is the path it opened)."""
     return not _outside(os.path.relpath(os.path.abspath(path), os.path.abspath(folder)))
@@ -373,6 +410,7 @@ class NativeLibrary:
             _copy_library(model, path, self._copy, scratch_dir)
             _require_whole(model, path, self._copy, "shared library")
             _mirror_folder(model, path, self._root, self._folder, {self._library, *self._shipped}, scratch_dir)
+            _remember_copies([self._folder / relative for relative in self._shipped])
         except BaseException:
             shutil.rmtree(self._folder, ignore_errors=True)
             raise
@@ -435,9 +473,7 @@ class NativeLibrary:
                 continue
             resolved = os.path.realpath(loaded)
             inside = any(os.path.commonpath([resolved, folder]) == folder for folder in model_folders)
-            if inside:
-                self._say_whose(name, loaded, resolved, os.path.commonpath([resolved, model_folders[0]]) ==
-                                model_folders[0])
+            self._say_whose(name, loaded, resolved, name in shipped)
             if (name not in shipped and not inside) or _THREAD_POOL_RUNTIME.match(os.path.basename(name)):
                 # (Already loaded, as a dependency: NOLOAD finds it, NODELETE marks it never to be unloaded.)
                 self._libc.dlopen(name.encode(), _RTLD_NOW | _RTLD_NOLOAD | _RTLD_NODELETE)
@@ -450,27 +486,27 @@ class NativeLibrary:
                         seen.add(dependency)
                         pending.append(dependency)
 
-    def _say_whose(self, name: str, loaded: str, resolved: str, in_scratch: bool) -> None:
+    def _say_whose(self, name: str, loaded: str, resolved: str, shipped: bool) -> None:
         """Warn of a library ``name`` of a model's own that the loader did not take from this copy's folder:
         from the repository (an absolute RUNPATH, a link leading there), whose rewrite changes code under the running
-        model; or another copy of its name (another model's, or an earlier version's of this one, still loaded),
-        when it differs from the one this copy ships: the loader shares a library by its name, so the one shipped
-        is not run until no loaded model holds one of that name."""
-        if not in_scratch:
+        model; or, for one this copy ships (``shipped``), another copy of its name (another model's, or an earlier
+        version's of this one, still loaded) that differs from this one's: the loader shares a library by its name,
+        so the one shipped is not run until no loaded model holds one of that name."""
+        if _under(resolved, os.path.realpath(self._folder)):
+            return
+        if (self._model_folder is not None and _under(resolved, os.path.realpath(self._model_folder))
+                and not _under(resolved, os.path.realpath(self._scratch_dir))):
             log.warning("model '%s': shared library %s needs %s, which the loader took from the model's folder "
                         "(%s), not from the copy the server made: rewriting it while the model serves can crash the "
                         "server; have the library find it through its RUNPATH relative to itself "
                         "(-Wl,-rpath,'$ORIGIN/lib'), not an absolute path", self._model, self.path, name, loaded)
             return
-        own = os.path.realpath(self._folder)
-        if os.path.commonpath([resolved, own]) == own:
-            return
-        shipped = [self._folder / relative for relative in self._shipped if os.path.basename(relative) == name]
-        try:
-            same = any(filecmp.cmp(copy, resolved, shallow=False) for copy in shipped)
-        except OSError:  # (the other copy gone meanwhile: unloaded)
-            return
-        if shipped and not same:
+        if not shipped or _THREAD_POOL_RUNTIME.match(os.path.basename(name)):
+            return  # (a runtime it ships is kept loaded for good: see _keep_system_libraries)
+        theirs = _copy_digest(loaded) or _copy_digest(resolved)
+        ours = {_copy_digest(str(self._folder / relative)) for relative in self._shipped
+                if os.path.basename(relative) == name}
+        if theirs is not None and theirs not in ours:  # (None: no copy a load made, the system's: nothing to say)
             log.warning("model '%s': shared library %s ships %s, but the loader gave it the one already loaded under "
                         "that name (for another model, or a version of this one still loaded), which differs: the "
                         "loader shares a library by its name, so the one it ships runs only once no loaded model "

@@ -569,23 +569,34 @@ from pathlib import Path
 from nereid.backends.cxx.library import NativeLibrary
 
 logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
-first = NativeLibrary("a", Path(sys.argv[1]), Path(sys.argv[3]), Path(sys.argv[1]).parent)
-second = NativeLibrary("b", Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[2]).parent)
+root, case = Path(sys.argv[1]), sys.argv[2]
+for name in ("a", "b"):
+    (root / "scratch" / name).mkdir(parents=True)  # (a folder of its own per model, as the server gives)
+
+def load(model, folder):
+    return NativeLibrary(model, root / folder / "libuses.so", root / "scratch" / model, root / folder)
+
+first = load("a", "a")
+second = load("b", "b")
+if case == "removed":  # a's copy, held by b, stays mapped once a's folder is gone; a's next version ships another
+    first.close()
+    first = load("a", "a2")
 second.close()
 first.close()
 '''
 
 
-@pytest.mark.parametrize("same", [True, False], ids=["the same", "another"])
-def test_a_dependency_of_a_name_another_model_loaded_first_is_named_when_it_differs(tmp_path, same):
+@pytest.mark.parametrize("case", ["the same", "another", "removed"])
+def test_a_dependency_of_a_name_another_model_loaded_first_is_named_when_it_differs(tmp_path, case):
     """Carried from stop 48: the loader shares a library by its name, so a model shipping a rebuilt libdep.so
     beside one loaded for another model (or for its own version still serving, in a reload) ran the old one, and
-    nothing said so: a WARNING now, when the two differ."""
+    nothing said so: a WARNING now, when the two differ, also when the copy given sits in a folder since removed
+    (the review hunt of 2b5283b: it said nothing then, nor for models with scratch folders of their own)."""
     (tmp_path / "uses.cpp").write_text('#include "nereid_cxx.h"\nextern "C" int nereid_dep_value_xyz();\n'
                                        'extern "C" int nereid_infer(void*, const nereid_tensor*, size_t, '
                                        'nereid_tensor*, size_t, char*, size_t) {\n'
                                        '    return nereid_dep_value_xyz() - 1;\n}\n')
-    for model, value in (("a", 1), ("b", 2)):
+    for model, value in (("a", 1), ("b", 2), ("a2", 3)):
         folder = tmp_path / model
         folder.mkdir()
         (tmp_path / f"dep{model}.cpp").write_text(f'extern "C" int nereid_dep_value_xyz() {{ return {value}; }}\n')
@@ -594,18 +605,18 @@ def test_a_dependency_of_a_name_another_model_loaded_first_is_named_when_it_diff
                      [CXX, "-shared", "-fPIC", f"-I{header_dir()}", f"-L{folder}", "-Wl,-rpath,$ORIGIN", "-o",
                       str(folder / "libuses.so"), str(tmp_path / "uses.cpp"), "-lnereidsharedxyz"]):
             assert subprocess.run(argv, capture_output=True).returncode == 0, argv
-    if same:  # (the same file shipped by both: a reload of an unchanged model)
+    if case != "another":  # (the same file shipped by both: a reload of an unchanged model)
         shutil.copy(tmp_path / "a" / "libnereidsharedxyz.so", tmp_path / "b" / "libnereidsharedxyz.so")
-    (tmp_path / "scratch").mkdir()
-    ran = subprocess.run([sys.executable, "-c", TWO_MODELS_LOADED, str(tmp_path / "a" / "libuses.so"),
-                          str(tmp_path / "b" / "libuses.so"), str(tmp_path / "scratch")],
+    ran = subprocess.run([sys.executable, "-c", TWO_MODELS_LOADED, str(tmp_path), case.split()[-1]],
                          capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0, ran.stderr[-2000:]
-    assert ran.stdout.splitlines() == ([] if same else [
-        f"model 'b': shared library {tmp_path / 'b' / 'libuses.so'} ships libnereidsharedxyz.so, but the loader "
-        "gave it the one already loaded under that name (for another model, or a version of this one still "
-        "loaded), which differs: the loader shares a library by its name, so the one it ships runs only once no "
-        "loaded model holds one of that name (unload them, then load)"])
+    warned = {"the same": [], "another": ["b"], "removed": ["a"]}[case]
+    assert ran.stdout.splitlines() == [
+        f"model '{model}': shared library {tmp_path / ('a2' if case == 'removed' else model) / 'libuses.so'} ships "
+        "libnereidsharedxyz.so, but the loader gave it the one already loaded under that name (for another model, "
+        "or a version of this one still loaded), which differs: the loader shares a library by its name, so the "
+        "one it ships runs only once no loaded model holds one of that name (unload them, then load)"
+        for model in warned]
 
 
 TWO_MODELS_MAPPED_AFTER_CLOSE = '''
