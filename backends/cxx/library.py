@@ -472,7 +472,7 @@ class NativeLibrary:
             if loaded is None:
                 continue
             resolved = os.path.realpath(loaded)
-            inside = any(os.path.commonpath([resolved, folder]) == folder for folder in model_folders)
+            inside = any(_under(resolved, folder) for folder in model_folders)
             self._say_whose(name, loaded, resolved, name in shipped)
             if (name not in shipped and not inside) or _THREAD_POOL_RUNTIME.match(os.path.basename(name)):
                 # (Already loaded, as a dependency: NOLOAD finds it, NODELETE marks it never to be unloaded.)
