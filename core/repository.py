@@ -988,9 +988,10 @@ class ModelRepository:
             if entry.loaded is None and entry.state is ModelState.UNLOADING and not entry.draining:
                 entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
         if entry is not None:
-            if (self._entries.get(name) is entry and not entry.in_use() and await self._folder_gone(entry)
+            listed = self.settings.model(name) is not None
+            if (self._entries.get(name) is entry and not entry.in_use() and await self._folder_gone(entry, listed)
                     and self._entries.get(name) is entry and not entry.in_use()):  # (again: that was a wait)
-                if self.settings.model(name) is not None:
+                if listed:
                     # Listed in nereid.yaml: it waits for its folder, as at start (forgotten, it answered NOT_FOUND
                     # and its callers said it was no model of this server, until a listing made it anew).
                     entry.folder_seen = False
@@ -1006,15 +1007,20 @@ class ModelRepository:
                 await self._cleanup.drop_scratch(entry.scratch_names)
         self._record(name, "remove")
 
-    async def _folder_gone(self, entry: ModelEntry) -> bool:
-        """Whether the entry's folder is gone: locally, no folder; in a store, no object under its prefix (a
-        store that cannot be listed cannot tell: False, and a later listing forgets it).
+    async def _folder_gone(self, entry: ModelEntry, emptied_counts: bool = False) -> bool:
+        """Whether the entry's folder is gone: locally, no folder (or, with ``emptied_counts``, one holding no file
+        but ignored ones, as the watcher takes it: a listed model then says it waits for its folder, where it said
+        `unloaded`, as if it could load); in a store, no object under its prefix (a store that cannot be listed
+        cannot tell: False, and a later listing forgets it).
 
         A store folder's cached copy is no sign: it stays until the name is
         forgotten (see :meth:`FolderCleanup.drop_mirrors_soon`).
         """
         if self.settings.server.ml_backends_url is None:
-            return not entry.folder.is_dir()
+            if not emptied_counts or not entry.folder.is_dir():
+                return not entry.folder.is_dir()
+            stamped = await on_io_thread(folder_stamp, entry.folder)
+            return stamped is None or not stamped[0]
         try:
             return not await on_io_thread(store_holds_folder, self.settings.server, entry.name)
         except StorageError as err:

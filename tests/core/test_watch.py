@@ -250,12 +250,20 @@ def test_a_folder_emptied_of_its_model_s_files_is_its_removal_and_its_files_back
     assert ask(server.client, "emptied")["version"] == "2"
 
 
-def test_a_listed_models_deleted_folder_leaves_it_waiting_for_its_folder(repo, serve):
+@pytest.mark.parametrize("emptied", [False, True], ids=["deleted", "emptied"])
+def test_a_listed_models_deleted_folder_leaves_it_waiting_for_its_folder(repo, serve, emptied):
     """Found by a README walkthrough: once its removal finished, the listed model was forgotten (NOT_FOUND, and
-    its callers said it was no model of this server) until a RepositoryIndex made its entry anew."""
+    its callers said it was no model of this server) until a RepositoryIndex made its entry anew. (Noticed by the
+    stop 56 storm hunt: a folder emptied of its files, `rm -rf m/*`, left it `unloaded`, as if it could load.)"""
     write_model(repo.models_dir / "listed", "1")
     server = serve(repo.write_config("- name: listed\n", server_extra=SETTLE))
-    shutil.rmtree(repo.models_dir / "listed")
+    if emptied:
+        (repo.models_dir / "listed" / ".cache").mkdir(exist_ok=True)  # (kept: git ignores it)
+        for path in (repo.models_dir / "listed").iterdir():
+            if path.is_file():
+                path.unlink()
+    else:
+        shutil.rmtree(repo.models_dir / "listed")
     repository = server.server.repository
     wait_for(lambda: (entry := repository._entries.get("listed")) is not None and entry.loaded is None
              and entry.reason.startswith("waiting for its folder"))
@@ -263,7 +271,11 @@ def test_a_listed_models_deleted_folder_leaves_it_waiting_for_its_folder(repo, s
         ask(server.client, "listed")
     assert caught.value.status() == "StatusCode.UNAVAILABLE"
     assert "waiting for its folder 'listed' in ml_backends_path" in caught.value.message()
-    write_model(repo.models_dir / "listed", "2")  # and it loads once its folder is back
+    if emptied:  # and it loads once its folder (its files) is back
+        (repo.models_dir / "listed" / "model_inference.textproto").write_text(REPORT)
+        (repo.models_dir / "listed" / "main.py").write_text(version_main("2"))
+    else:
+        write_model(repo.models_dir / "listed", "2")
     wait_for(lambda: index(server)["listed"][0] == "READY")
     assert ask(server.client, "listed")["version"] == "2"
 
