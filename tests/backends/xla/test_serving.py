@@ -312,3 +312,36 @@ def test_client_inputs_listed_in_another_order_reach_the_program_by_name_without
             inputs.append(tensor)
         served = server.client.infer(name, inputs).as_numpy("d")
         np.testing.assert_array_equal(served, (a - b) * factor)
+
+
+GENERATOR_MODEL_PY = '''
+import numpy as np
+import nereid
+from nereid.tensors import NamedTensor
+
+def make(inputs):
+    if list(inputs):
+        raise ValueError(f"no client input expected, got {inputs}")
+    return [NamedTensor.from_array("x", np.arange(4, dtype=np.float32)[None, :])]
+
+nereid.register_model(preprocess=make)
+'''
+
+
+def test_a_bundle_whose_preprocess_makes_every_program_input_takes_no_client_input(repo, serve) -> None:
+    """Noticed by the stop 56 bundle hunt as untested end to end: client_inputs: [] with a preprocess hook that
+    makes the program's input (a generator). Served over gRPC and HTTP, counted as any request."""
+    import tritonclient.http as triton_http
+
+    from nereid.backends.xla.export import export_bundle
+
+    folder = export_bundle(lambda x: x * 2, [np.zeros((1, 4), np.float32)], {}, directory=repo.models_dir / "gen",
+                           input_names=["x"], output_names=["y"], provenance=False)
+    (folder / "manifest.yaml").write_text((folder / "manifest.yaml").read_text() + "client_inputs: []\n")
+    (folder / "model.py").write_text(GENERATOR_MODEL_PY)
+    server = serve(repo.write_config("- name: gen\n"))
+    assert list(server.client.get_model_metadata("gen").inputs) == []
+    np.testing.assert_array_equal(server.client.infer("gen", []).as_numpy("y"), [[0, 2, 4, 6]])
+    http = triton_http.InferenceServerClient(f"127.0.0.1:{server.server.http_port}")
+    np.testing.assert_array_equal(http.infer("gen", []).as_numpy("y"), [[0, 2, 4, 6]])
+    assert server.client.get_inference_statistics("gen").model_stats[0].inference_stats.success.count == 2
