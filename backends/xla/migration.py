@@ -587,9 +587,11 @@ def _stamp(fd: int) -> FileStamp:
     return FileStamp(stat.st_size, stat.st_mtime_ns, digest.hexdigest(), stat.st_ctime_ns, stat.st_ino)
 
 
-def _same(a: Path, b: Path) -> bool:
+def _same(copy: Path, original: Path) -> bool:
+    """Whether ``copy`` is the original under a second name, as a replace leaves it just before it removes that
+    name: a hard link. A symlink is never a replace's (one made by hand was taken for one, and removed)."""
     try:
-        return os.path.samefile(a, b)
+        return not copy.is_symlink() and os.path.samefile(copy, original)
     except OSError:
         return False
 

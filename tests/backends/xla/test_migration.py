@@ -331,6 +331,11 @@ def test_a_file_of_someone_s_own_under_the_copy_s_name_is_left_alone(legacy, tmp
                                                           "too; move it away to migrate")
     assert [a.tobytes() for _, a in load_weights(legacy / COPY_FILE)] == [a.tobytes() for _, a in own]
     assert (legacy / "manifest.yaml").read_text() == manifest
+    (legacy / COPY_FILE).unlink()  # a link to the original (the review hunt: taken for a replace's, and removed)
+    (legacy / COPY_FILE).symlink_to("weights.safetensors")
+    assert migrate_bundle(legacy, "replace").what.startswith(f"{COPY_FILE} is there and is no migration's copy")
+    assert (legacy / COPY_FILE).is_symlink() and read_header(legacy / "weights.safetensors").legacy
+    (legacy / COPY_FILE).unlink()
     (legacy / COPY_FILE).write_bytes(b"notes")  # no safetensors file at all
     assert migrate_bundle(legacy, "copy").what.startswith(f"{COPY_FILE} is there and is no safetensors file a "
                                                           "migration wrote: left alone")
