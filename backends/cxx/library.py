@@ -233,7 +233,7 @@ def _mirror_folder(model: str, path: Path, root: Path, target: Path, wanted: set
     is linked, not copied: a library kept in a folder of thousands (a system's
     lib folder) costs no copy of them.
     """
-    source = root / relative
+    source, library = root / relative, os.path.relpath(path, root)
     inside = [os.path.relpath(item, relative) for item in wanted]
     inside = [item for item in inside if not _outside(item)]
     leading = {item.split(os.sep, 1)[0] for item in inside if os.sep in item}
@@ -246,7 +246,7 @@ def _mirror_folder(model: str, path: Path, root: Path, target: Path, wanted: set
     for name in names:
         inner = os.path.normpath(os.path.join(relative, name))
         entry, destination = source / name, target / name
-        if inner == os.path.relpath(path, root):
+        if inner == library:
             continue  # the library's own copy, made before
         if inner in wanted and (reason := not_regular_reason(entry)) is not None:
             # (A FIFO: the loader would wait on it for ever, holding the load.)
