@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 import toy_backends
 from support import (ECHO_MAIN, NEREID, free_port, nereid_serve, popen_with_ctrl_c, process_alive,
-                     serve_until_listening, wait_until)
+                     server_ready, serve_until_listening, wait_until)
 from nereid.cli import limit_repeated_library_lines, raise_open_file_limit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -178,6 +178,12 @@ def test_serve_finishes_accepted_requests_on_sigterm_or_sighup_and_exits_zero(re
         worker.start()
         assert wait_until(lambda: (folder / "started").exists())  # the request is running inside the 1 s model
         process.send_signal(signum)
+        # The listener closes as the drain begins: a new request, even on the channel opened before, is
+        # UNAVAILABLE (the README's words).
+        assert wait_until(lambda: not server_ready(client))
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("slow", [tensor])
+        assert refused.value.status() == "StatusCode.UNAVAILABLE", refused.value
         worker.join(30)
         assert process.wait(30) == 0
         assert len(results) == 1 and np.array_equal(results[0], x)
