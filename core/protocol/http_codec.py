@@ -110,13 +110,9 @@ def _decode_infer(model: str, body: bytes | memoryview, header_length: int | Non
     request_id = document.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidArgument(f"model '{model}': 'id' must be a string")
-    choice = _output_choice(model, document.get("outputs", []), parameters)
+    # The parameters in the order the gRPC codec checks them (timeout, sequence_id, scheduling, outputs), so that
+    # a request with two bad ones is told of the same one over either protocol.
     budgets = []
-    if SEQUENCE_ID_PARAMETER in parameters:
-        check_sequence_id(model, parameters[SEQUENCE_ID_PARAMETER], quoted)
-    scheduling = {key: parameters[key] for key in SCHEDULING_PARAMETERS if key in parameters}
-    if scheduling:
-        check_scheduling_parameters(model, scheduling, quoted)
     if TIMEOUT_PARAMETER in parameters:
         timeout_us = parameters[TIMEOUT_PARAMETER]
         if isinstance(timeout_us, float) and timeout_us >= 2 ** 64:
@@ -129,6 +125,12 @@ def _decode_infer(model: str, body: bytes | memoryview, header_length: int | Non
                                   f"of microseconds, got {quoted(timeout_us)}")
         if timeout_us:
             budgets.append(timeout_us * 1000)
+    if SEQUENCE_ID_PARAMETER in parameters:
+        check_sequence_id(model, parameters[SEQUENCE_ID_PARAMETER], quoted)
+    scheduling = {key: parameters[key] for key in SCHEDULING_PARAMETERS if key in parameters}
+    if scheduling:
+        check_scheduling_parameters(model, scheduling, quoted)
+    choice = _output_choice(model, document.get("outputs", []), parameters)
     request = InferRequest(model, inputs, request_id, list(choice.names),
                            timeout_deadline_ns(time.monotonic_ns(), budgets), choice.classifications)
     return request, choice

@@ -477,3 +477,36 @@ def test_a_text_like_the_placeholder_of_a_chunked_output_cannot_take_its_data(mo
     answer = json.loads(b"".join(parts))
     assert [(o["name"], o["data"]) for o in answer["outputs"]] == [
         ("echo", [forged]), (forged, list(range(10))), ("big", [float(i) for i in range(10)])]
+
+
+def test_a_request_with_several_bad_parameters_is_told_of_the_same_one_as_over_grpc():
+    """HTTP checked the outputs first and the timeout last, gRPC the other way round: a request with two bad
+    parameters was told of a different one over each protocol."""
+    from nereid._proto import grpc_service_pb2 as pb
+    from nereid.protocol.grpc_codec import decode_infer_request
+
+    # Each bad, in the order both codecs check them; each request drops the first of the rest.
+    bad = [("timeout", -5, pb.InferParameter(int64_param=-5)),
+           ("sequence_id", True, pb.InferParameter(bool_param=True)),
+           ("priority", -1, pb.InferParameter(int64_param=-1)),
+           ("sequence_end", 7, pb.InferParameter(int64_param=7)),
+           ("classification", -1, pb.InferParameter(int64_param=-1))]
+    for start in range(len(bad)):
+        json_parameters = {name: value for name, value, _ in bad[start:] if name != "classification"}
+        output = {"name": "y"}
+        grpc_request = pb.ModelInferRequest(model_name="m")
+        grpc_request.inputs.add(name="x", datatype="FP32", shape=[1]).contents.fp32_contents.append(1.0)
+        grpc_output = grpc_request.outputs.add(name="y")
+        for name, value, parameter in bad[start:]:
+            if name == "classification":
+                output["parameters"] = {name: value}
+                grpc_output.parameters[name].CopyFrom(parameter)
+            else:
+                grpc_request.parameters[name].CopyFrom(parameter)
+        with pytest.raises(InvalidArgument) as over_http:
+            decode_infer("m", body({"name": "x", "shape": [1], "datatype": "FP32", "data": [1]},
+                                   parameters=json_parameters, outputs=[output]), None)
+        with pytest.raises(InvalidArgument) as over_grpc:
+            decode_infer_request(grpc_request, None)
+        named = [re.search(r"parameter '(\w+)'", str(error.value)).group(1) for error in (over_http, over_grpc)]
+        assert named == [bad[start][0]] * 2, (str(over_http.value), str(over_grpc.value))
