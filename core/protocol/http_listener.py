@@ -326,6 +326,66 @@ class _HeadersAtAnswer(list):
         return [(b"date", http_date()), *headers]
 
 
+# Writes smaller than this made in one turn of the event loop go out together (see _CoalescedWrites).
+COALESCE_BELOW_BYTES = 64 << 10
+
+
+class _CoalescedWrites:
+    """A connection's transport whose small writes made in one turn of the event loop go out as one, at the end
+    of that turn: an answer's head and body (uvicorn writes each as the ASGI app sends it) in one send() and one
+    TCP segment (one TLS record), not two that the client reads apart. A write of COALESCE_BELOW_BYTES or more
+    goes out at once, after what is held. Closing, ending the sending side or asking what is left to send counts
+    what is held first. Everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes | memoryview] = []
+        self._held_bytes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:  # (asked several times an answer: spared __getattr__'s miss)
+        return self._transport.is_closing()
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self._held:
+            if self._held_bytes + len(data) < COALESCE_BELOW_BYTES:
+                self._held.append(data)
+                self._held_bytes += len(data)
+                return
+            self._flush()
+        if len(data) >= COALESCE_BELOW_BYTES or not data:
+            self._transport.write(data)
+            return
+        self._held.append(data)
+        self._held_bytes = len(data)
+        self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if not self._held:
+            return
+        held = self._held
+        self._held, self._held_bytes = [], 0
+        self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held, self._held_bytes = [], 0
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self._held_bytes + self._transport.get_write_buffer_size()
+
+
 class _LingeringClose:
     """A connection's transport whose ``close()`` ends the server's side only (after the answers written), goes on
     reading (the protocol discards what arrives) until the client closes, and closes for good after
@@ -457,7 +517,7 @@ class _BoundedHeadProtocol(HttpToolsProtocol):
         super().shutdown()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(_CoalescedWrites(transport, asyncio.get_running_loop()))  # type: ignore[arg-type]
         self._last_heard = self._head_since = self.loop.time()
         most = self.max_connections if self.max_connections is not None else connection_cap()
         if len(self.connections) > most:  # (this connection is counted already)

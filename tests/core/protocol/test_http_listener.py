@@ -17,6 +17,7 @@ import re
 import resource
 import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -38,6 +39,9 @@ SLOW_ANSWER_S = 0.5  # how long the app takes over a request for /slow
 LATE_ANSWER_S = 1.3  # ... and for /late: over a second, so that its Date (whole seconds) must move on
 
 
+PARTS_BULK_BYTES = 100 << 10  # past the listener's bound on writes it holds to send together
+
+
 async def _answer_with_body_size(scope: dict, receive: Any, send: Any) -> None:
     """An ASGI app that reads the whole body and answers 200 with its size (after SLOW_ANSWER_S for /slow)."""
     if scope["type"] != "http":
@@ -54,6 +58,13 @@ async def _answer_with_body_size(scope: dict, receive: Any, send: Any) -> None:
         size += len(message.get("body", b""))
         more = message.get("more_body", False)
     body = str(size).encode()
+    if scope["path"] == "/parts":  # the size, then 100 KiB of "x", then the size again, in three parts
+        parts = [body, b"x" * PARTS_BULK_BYTES, body]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(sum(map(len, parts))).encode())]})
+        for index, part in enumerate(parts):
+            await send({"type": "http.response.body", "body": part, "more_body": index < len(parts) - 1})
+        return
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -353,6 +364,41 @@ def test_a_request_whose_head_is_arriving_when_the_stop_begins_is_answered_then_
         loop.close()
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 ") and b"connection: close" in head.split(b"\r\n") and body == b"2", answer
+
+
+def _data_segments_received(connection: socket.socket) -> int:
+    """The TCP segments with data this socket has received (Linux's tcp_info.tcpi_data_segs_in)."""
+    return struct.unpack_from("I", connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256), 152)[0]
+
+
+def test_a_small_answer_goes_out_with_its_head_in_one_segment(listener):
+    """uvicorn writes an answer's head and body as the app sends each: two send()s, two TCP segments (the
+    listener sets TCP_NODELAY), that the client read apart; the server and the client each paid a system call
+    more per answer (HTTP over nereid ran 13-15% slower at 8 and 32 clients)."""
+    with socket.create_connection(("127.0.0.1", listener), timeout=5) as connection:
+        connection.sendall(b"POST /v2/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        assert _read_response(connection).endswith(b"\r\n\r\n3")
+        before = _data_segments_received(connection)
+        for _ in range(20):
+            connection.sendall(b"POST /v2/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+            assert _read_response(connection).endswith(b"\r\n\r\n3")
+        assert _data_segments_received(connection) - before == 20
+
+
+def test_an_answer_of_small_and_large_parts_arrives_whole_and_in_order(listener):
+    """What the listener holds to send together goes out before a large part that it does not hold."""
+    with socket.create_connection(("127.0.0.1", listener), timeout=5) as connection:
+        for _ in range(2):  # (the second on a kept-alive connection)
+            connection.sendall(b"POST /parts HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+            received = b""
+            while b"\r\n\r\n" not in received:
+                received += connection.recv(65536)
+            head, _, body = received.partition(b"\r\n\r\n")
+            expected = b"3" + b"x" * PARTS_BULK_BYTES + b"3"
+            assert f"content-length: {len(expected)}".encode() in head.lower()
+            while len(body) < len(expected):
+                body += connection.recv(65536)
+            assert body == expected
 
 
 def test_answers_carry_a_date_header(listener):
