@@ -132,6 +132,9 @@ MAX_SEND_MESSAGE_BYTES = (1 << 31) - 1
 
 
 # nereid_protocol_refused_total's reason for a request gRPC delivered but protobuf cannot parse.
+# A unary call this close to its gRPC deadline, or past it, is left to gRPC's core to end (see _maps_errors).
+DEADLINE_ENDS_THE_CALL_S = 0.001
+
 REFUSED_UNPARSABLE = "unparsable"
 REFUSED_OUT_OF_MEMORY = "out_of_memory"  # (HTTP's word for it too)
 
@@ -258,6 +261,14 @@ def _maps_errors(handler: Handler) -> Handler:
         # whose traceback holds the frames holding the request, and that reference cycle kept rejected
         # gigabyte requests alive until the garbage collector happened to run.
         del request
+        remaining_s = context.time_remaining()
+        if remaining_s is not None and remaining_s <= DEADLINE_ENDS_THE_CALL_S:
+            # Its deadline ends the call in gRPC's core (DEADLINE_EXCEEDED, which the client's own timer gives it
+            # at that instant too): a status sent now races that end, and grpcio leaks the batch of a status that
+            # fails on an ended call (grpc/grpc#43360). A queue expiring requests at their gRPC deadline, as the
+            # scheduler does, leaked 74 bytes of native memory a request (a leak hunt: 7 GB a day at 1,000
+            # expiring a second). The handler ends without a status, as one that gRPC cancels does.
+            raise asyncio.CancelledError
         await context.abort(code, status_message(message))
     return wrapper
 

@@ -927,6 +927,31 @@ def test_client_deadline_passing_in_the_queue_is_deadline_exceeded_and_never_run
     assert (stats.success.count, stats.fail.count) == (2, 1)
 
 
+def test_requests_expiring_in_the_queue_at_their_grpc_deadline_are_ended_by_grpc_not_answered_then(repo, serve,
+                                                                                                       caplog):
+    """The scheduler expires a queued request at its gRPC deadline, the instant gRPC's core ends the call: the
+    server's own DEADLINE_EXCEEDED then raced that end, and grpcio leaks the batch of a status that fails on an
+    ended call (grpc/grpc#43360; a leak hunt measured 74 bytes of native memory a request, 22 without the race).
+    The handler now ends as a cancelled one does, without a status, and gRPC answers DEADLINE_EXCEEDED."""
+    caplog.set_level(logging.DEBUG, logger="grpc._cython.cygrpc")  # (where grpcio says a handler ended cancelled)
+    server, folder = start_slow(repo, serve)
+    answers = Answers()
+    server.client.async_infer("slow", [int8_input([1] * 4)], callback=answers.callback("first"))
+    wait_for(lambda: runs(folder) == 1, "the first request to start")
+    for index in range(8):
+        server.client.async_infer("slow", [int8_input([2] * 4)], callback=answers.callback(index),
+                                  client_timeout=0.2)
+    got = answers.collect(9)
+    assert got["first"][1] is None
+    assert [got[index][1].status() for index in range(8)] == ["StatusCode.DEADLINE_EXCEEDED"] * 8
+    stats = server.client.get_inference_statistics("slow").model_stats[0].inference_stats
+    assert (stats.success.count, stats.fail.count) == (1, 8)
+    ended = [r for r in caplog.records if r.getMessage() == "RPC cancelled for servicer method "
+             "[/inference.GRPCInferenceService/ModelInfer]"]
+    assert len(ended) == 8, [r.getMessage() for r in caplog.records if r.name.startswith("grpc")]
+    assert runs(folder) == 1
+
+
 def test_a_queued_request_whose_client_cancels_is_dropped_and_never_runs(repo, serve):
     server, folder = start_slow(repo, serve)
     answers = Answers()
