@@ -1631,12 +1631,12 @@ def test_a_plugin_cannot_take_the_built_in_commands_over(repo, capsys) -> None:
 
 
 
-def _checked_as_non_root(repo, modes: dict[Path, int]) -> subprocess.CompletedProcess:
-    """`nereid check` of ``repo`` run as a server that is not root runs, with ``modes`` given to those paths for
-    the while (folders get 0o755 back, files 0o644)."""
+def _checked_as_non_root(repo, modes: dict[Path, int], models_yaml: str | None = None) -> subprocess.CompletedProcess:
+    """`nereid check` of ``repo`` (its nereid.yaml's ``models:`` list ``models_yaml``) run as a server that is not
+    root runs, with ``modes`` given to those paths for the while (folders get 0o755 back, files 0o644)."""
     from support import run_as_non_root
 
-    config = repo.write_config()
+    config = repo.write_config(models_yaml)
     for path, mode in modes.items():
         path.chmod(mode)
     try:
@@ -1705,3 +1705,14 @@ def test_a_model_folder_the_server_s_user_can_list_but_not_search_is_said_to_be_
                 "(a folder needs search permission, x, as well as read)") in done.stdout, done.stdout[-2000:]
     assert "echo: OK" in done.stdout and "with_data: OK" in done.stdout, done.stdout[-2000:]
     assert "raised PermissionError" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_repository_the_server_s_user_cannot_search_leaves_each_model_unavailable_saying_so(repo) -> None:
+    """Defect (the deploy hunt): ml_backends_path without search permission for the server's user (a volume
+    mounted with the wrong owner) ended `nereid check` and `nereid serve` in a PermissionError traceback."""
+    repo.python("echo")
+    done = _checked_as_non_root(repo, {repo.models_dir: 0o600}, '- name: "echo"\n')
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert (f"the folder {repo.models_dir / 'echo'} cannot be read by the server's user (uid 0): Permission denied"
+            in done.stdout), done.stdout
