@@ -217,6 +217,16 @@ def _refuse_unlisted_reachable(error: OSError, config_name: str) -> None:
                       f"r, or set server.follow_symlinks: true in {config_name})")
 
 
+def folder_gone(folder: Path) -> bool:
+    """Whether ``folder`` is not there as a folder. One the server's user cannot look at (its parent not
+    searchable: an ``ml_backends_path`` mounted with the wrong owner) is not gone: its load says why it cannot be
+    read (see :func:`check_readable`), where ``is_dir`` raised PermissionError (the deploy hunt)."""
+    try:
+        return not folder.is_dir()
+    except PermissionError:
+        return False
+
+
 def check_readable(folder: Path) -> None:
     """ConfigError when the server's user cannot list ``folder``, or open what it lists: said so, where each
     backend's claim failed on it apart (a plugin fault logged, then "no backend claims the folder"), and the load

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nereid.files import folder_gone
 from nereid.storage import StoreURL, local_model_folders
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def folder_stamp(folder: Path) -> tuple[tuple[FileStamp, ...], int] | None:
                 files.append(_file_stamp(folder, path, info))
     # Only the folder itself gone means it vanished (os.walk of a missing folder yields nothing): a file inside
     # that cannot be stat-ed (a link to nothing, one removed meanwhile) is a change of the folder, not its end.
-    if not folder.is_dir():
+    if folder_gone(folder):  # (one that cannot be looked at is there: its load says why it cannot be read)
         return None
     return tuple(files), hidden_mtime_ns
 

@@ -27,7 +27,7 @@ from nereid.dependencies import DependencyCycle
 from nereid.dependent_states import DependentStates, log_unavailable
 from nereid.errors import (ConfigError, NereidError, NotFound, PublicText, Unavailable, backend_exit, calling_plugin,
                            cap_message, describe_exception, loop_safe_call)
-from nereid.files import NAME_MAX, is_model_folder_name
+from nereid.files import NAME_MAX, folder_gone, is_model_folder_name
 from nereid.folder_cleanup import FolderCleanup
 from nereid.folder_states import folder_stamp
 from nereid.log_limit import RateLimitedLog
@@ -681,7 +681,7 @@ class ModelRepository:
         INTERNAL "failed to load ...: no such model folder (no objects under it)").
         """
         if self.settings.server.ml_backends_url is None:
-            return not entry.folder.is_dir()
+            return folder_gone(entry.folder)
         if not requested:
             return False
         try:
@@ -719,7 +719,7 @@ class ModelRepository:
         """The load of :meth:`load`, the entry held and not loaded."""
         name = entry.name
         # (A folder in an object store is fetched by the version loader, which reports the store's error.)
-        if self.settings.server.ml_backends_url is None and not entry.folder.is_dir():
+        if self.settings.server.ml_backends_url is None and folder_gone(entry.folder):
             if entry.draining:  # its old version still finishes its requests: UNLOADING says so until then
                 return entry
             entry.state, entry.reason = ModelState.UNAVAILABLE, waiting_for_folder(name)
@@ -736,7 +736,7 @@ class ModelRepository:
             # (The log keeps absolute paths.) An abandoned load is what its unload asked for: no fault.
             abandoned = isinstance(err, LoadAbandoned)
             level = logging.WARNING if abandoned else logging.ERROR
-            moved = not abandoned and self.settings.server.ml_backends_url is None and not entry.folder.is_dir()
+            moved = not abandoned and self.settings.server.ml_backends_url is None and folder_gone(entry.folder)
             if moved:
                 # Moved (or deleted) while its backend read it, a folder renamed during its first load: that is
                 # the reason, not the file the backend then missed, and no fault to log at ERROR (the soak hunt:
@@ -800,7 +800,7 @@ class ModelRepository:
                 reason = _reason(err)
                 # As a first load's: moved (a swap by rename) while its backend read it is the reason, at WARNING,
                 # not the file the backend then missed, at ERROR (the dynamic-repository hunt).
-                moved = self.settings.server.ml_backends_url is None and not entry.folder.is_dir()
+                moved = self.settings.server.ml_backends_url is None and folder_gone(entry.folder)
                 if moved:
                     reason = gone_while_loading(entry.folder)
                 # (The running version's number: "(load N+1)" here was the number the next reload that succeeds
@@ -1017,8 +1017,8 @@ class ModelRepository:
         forgotten (see :meth:`FolderCleanup.drop_mirrors_soon`).
         """
         if self.settings.server.ml_backends_url is None:
-            if not emptied_counts or not entry.folder.is_dir():
-                return not entry.folder.is_dir()
+            if not emptied_counts or folder_gone(entry.folder):
+                return folder_gone(entry.folder)
             stamped = await on_io_thread(folder_stamp, entry.folder)
             return stamped is None or not stamped[0]
         try:

@@ -513,6 +513,7 @@ class NereidServer:
             return
         await self.start()
         loader = asyncio.create_task(self.load_models())
+        loader.add_done_callback(_log_failed_start_up_loads)
         await stop_requested.wait()
         await self.leave(came[0])
         log.info("signal received: draining (%s; grace %g s)", came[0].name, self.settings.server.shutdown_grace_s)
@@ -536,6 +537,14 @@ class NereidServer:
             handled.pop(signum, None)
         if not handled:  # what asyncio's removal of its last handler does: the loop's socket is closed next
             signal.set_wakeup_fd(-1)
+
+
+def _log_failed_start_up_loads(loader: asyncio.Task) -> None:
+    """Log what ended the loading of the start-up models, which is never a model's failure to load (that leaves
+    it UNAVAILABLE with its reason): a bug. Raised in a task nothing awaits, it was said nowhere, its models left
+    LOADING for good (the deploy hunt's unsearchable ml_backends_path)."""
+    if not loader.cancelled() and loader.exception() is not None:
+        log.error("loading the start-up models failed: %s", loader.exception(), exc_info=loader.exception())
 
 
 def _transport(config: ServerSettings) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from nereid.config_document import KeyedReader, load_yaml, quoting_hint, yaml_spelling
 from nereid.errors import ConfigError
-from nereid.files import NAME_MAX, decode_text, is_model_folder_name, read_regular_file
+from nereid.files import NAME_MAX, decode_text, folder_gone, is_model_folder_name, read_regular_file
 from nereid.listening import host_and_port
 from nereid.storage.mirror import mirror_root
 from nereid.storage.url import parse_store_url
@@ -595,17 +595,6 @@ def _parse_tls(reader: KeyedReader, raw: Any, path: Path, read: bool = True) -> 
     return tls
 
 
-def _may_be_folder(path: Path) -> bool:
-    """Whether ``path`` is a folder, or may be one that the server's user cannot look at (``ml_backends_path``
-    not searchable: a volume mounted with the wrong owner). That one is its model's load's to report, naming the
-    permission, as for a model folder that cannot be read: ``is_dir`` raised, and `nereid serve` and `nereid
-    check` ended in a traceback (the deploy hunt)."""
-    try:
-        return path.is_dir()
-    except PermissionError:
-        return True
-
-
 def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
                  require_folder: bool = True) -> ModelSettings:
     entry = reader.mapping(raw, where, _MODEL_KEYS, _key_hints("model"))
@@ -615,7 +604,8 @@ def _parse_model(reader: KeyedReader, raw: Any, where: str, backends_path: Path,
     if not is_model_folder_name(name):
         reader.fail(f"{where}.name", f"must be a folder name (not empty or hidden, no '/' or NUL, at most "
                                      f"{NAME_MAX} bytes)", name)
-    if require_folder and not _may_be_folder(backends_path / name):
+    # (A folder the server's user cannot look at is its load's to report: see folder_gone.)
+    if require_folder and folder_gone(backends_path / name):
         reader.fail(f"{where}.name", f"has no model folder {backends_path / name}", name)
     device_text = reader.string(entry, f"{where}.device", "cpu")
     try:

@@ -1716,3 +1716,41 @@ def test_a_repository_the_server_s_user_cannot_search_leaves_each_model_unavaila
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert (f"the folder {repo.models_dir / 'echo'} cannot be read by the server's user (uid 0): Permission denied"
             in done.stdout), done.stdout
+
+
+def test_serve_with_an_ml_backends_path_it_cannot_search_reports_each_model_unavailable_and_stops_cleanly(repo) -> None:
+    """Defect (the deploy hunt): the server's load of a listed model raised PermissionError in a task nothing
+    awaited, said nowhere, and the model stayed LOADING ("waiting to load") for good."""
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv to drop root's right to read and write any folder")
+    repo.python("echo")
+    config = repo.write_config('- name: "echo"\n')
+    port = free_port()
+    repo.models_dir.chmod(0o600)
+    try:
+        process = subprocess.Popen([*(["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+                                      if os.geteuid() == 0 else []),
+                                    *NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            client = triton.InferenceServerClient(f"127.0.0.1:{port}")
+
+            def reason() -> str:
+                try:
+                    (model,) = client.get_model_repository_index().models
+                except InferenceServerException:
+                    return ""
+                return model.reason if model.state == "UNAVAILABLE" else ""
+
+            said = wait_until(reason, 30)
+            assert said and ("cannot be read by the server's user" in said and "Permission denied" in said), said
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(30) == 0
+            output = process.stdout.read()
+            assert "Traceback" not in output and "nereid stopped" in output, output
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    finally:
+        repo.models_dir.chmod(0o755)
