@@ -346,6 +346,10 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
                           f"{completed.output_tail}{_link_hint(completed.output_tail)}")
     if completed.output_tail.strip():  # warnings (a #warning, a deprecation): shown once, at the build
         log.warning("model '%s': the compiler warned (the build succeeded):\n%s", model, completed.output_tail.rstrip())
+    # Readable and runnable by the server whatever its umask: root's 0177 or 0777 (which nereid refuses only for
+    # another user, root reading any file) made a binary no one may run, READY with every request failing
+    # "Permission denied" (the deploy hunt).
+    os.chmod(partial, stat.S_IMODE(os.stat(partial).st_mode) | stat.S_IRWXU)
     os.replace(partial, target)
     return dependencies
 
@@ -519,8 +523,8 @@ def cached_build(compiler: Compiler, arguments: list[str], name: str, stale: str
         if unreadable is not None:
             # Reading it is what fails first (its builds were never found): "cannot write" sent the operator to
             # the wrong permission (the deployment hunt).
-            log.warning("model '%s': cannot read the build cache %s (%s: made by another user, under umask 077, "
-                        "say), so no build in it is reused or replaced; serving the build in the server's scratch "
+            log.warning("model '%s': cannot read the build cache %s (%s), so no build in it is reused or "
+                        "replaced; serving the build in the server's scratch "
                         "folder (built again at the next start): make %s/ readable, searchable and writable by the "
                         "server's user, or remove it", model, cache, unreadable, CACHE_DIR)
             return fallback
@@ -544,7 +548,10 @@ def _unreadable_cache(cache: Path) -> str | None:
         return None
     if not stat.S_ISDIR(status.st_mode) or os.access(cache, os.R_OK | os.X_OK):
         return None
-    return f"mode {status.st_mode & 0o777:04o}, owned by uid {status.st_uid}; the server runs as uid {os.geteuid()}"
+    how = ("made by another user, under umask 077, say" if status.st_uid != os.geteuid() else
+           "made under a umask that takes its owner's own rights, 0177 say")
+    return (f"mode {status.st_mode & 0o777:04o}, owned by uid {status.st_uid}; the server runs as uid {os.geteuid()}: "
+            f"{how}")
 
 
 def _older_build_advice(older: bool) -> str:

@@ -402,19 +402,24 @@ def test_a_read_only_cache_holding_an_older_nereid_s_build_says_to_build_it_agai
         "build in the server's scratch folder (built again at the next start)"], done.stderr
 
 
-def test_a_cache_another_user_made_under_umask_077_is_said_to_be_unreadable(tmp_path):
+@pytest.mark.parametrize("owner, mode, how", [
+    (12345, 0o700, "made by another user, under umask 077, say"),
+    # The deploy hunt: one the server's own user owns was said to be another user's.
+    (None, 0o600, "made under a umask that takes its owner's own rights, 0177 say")])
+def test_a_cache_another_user_made_under_umask_077_is_said_to_be_unreadable(tmp_path, owner, mode, how):
     """The deployment hunt: a .cache/ built by another user under umask 077 (mode 0700) was reported as "cannot write
     the build cache": its builds were never found, and reading it is what to fix."""
     import sys
 
     from support import run_as_non_root
 
+    owner = os.geteuid() if owner is None else owner
     folder, _ = _model_including(tmp_path, 2)
     cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
     cache = folder / ".cache"
     for path in (cache, *cache.iterdir()):
-        os.chown(path, 12345, 12345)
-    cache.chmod(0o700)
+        os.chown(path, owner, owner)
+    cache.chmod(mode)
     (tmp_path / "later").mkdir()
     try:
         done = run_as_non_root([sys.executable, "-c", _LOAD, str(folder), str(tmp_path / "later")],
@@ -427,8 +432,8 @@ def test_a_cache_another_user_made_under_umask_077_is_said_to_be_unreadable(tmp_
     served = Path(done.stdout.strip())
     assert served.is_relative_to(tmp_path / "later") and _exit_status(served) == 2
     assert [line for line in done.stderr.splitlines() if line.startswith("WARNING")] == [
-        f"WARNING model 'm': cannot read the build cache {cache} (mode 0700, owned by uid 12345; the server runs as "
-        "uid 0: made by another user, under umask 077, say), so no build in it is reused or replaced; serving the "
+        f"WARNING model 'm': cannot read the build cache {cache} (mode {mode:04o}, owned by uid {owner}; the server "
+        f"runs as uid {os.geteuid()}: {how}), so no build in it is reused or replaced; serving the "
         "build in the server's scratch folder (built again at the next start): make .cache/ readable, searchable "
         "and writable by the server's user, or remove it"], done.stderr
 

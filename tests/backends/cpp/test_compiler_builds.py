@@ -346,3 +346,25 @@ def test_cxx_may_hold_a_wrapper_and_its_words_as_make_takes_it(tmp_path, monkeyp
     monkeypatch.setenv("CXX", "./cc-wrap c++")
     assert compiler.find_compiler() == (str(wrapper), "c++")
     assert os.access(compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "relative"), os.X_OK)
+
+
+@pytest.mark.parametrize("umask", [0o177, 0o777])
+def test_a_build_made_under_a_umask_taking_the_owner_s_execute_bit_still_runs(tmp_path, umask):
+    """Defect (the deploy hunt): root under umask 0177 or 0777 (which nereid refuses only for another user) built a
+    binary no one may run: cpp_scale was READY and failed every request with "Permission denied"."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "model"
+    shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
+    (tmp_path / "scratch").mkdir()
+    # (In a process of its own: the umask is the whole process's, this test's other threads' too.)
+    script = (f"import os, subprocess; os.umask({umask:#o})\n"
+              "from pathlib import Path\nfrom nereid.backends.cpp import compiler\n"
+              f"binary = compiler.build_binary(Path({str(folder)!r}), 'main.cpp', Path({str(tmp_path / 'scratch')!r}), "
+              "'scale')\n"
+              "print(oct(os.stat(binary).st_mode & 0o777), os.access(binary, os.X_OK))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    mode, runnable = done.stdout.split()
+    assert runnable == "True" and int(mode, 8) & 0o700 == 0o700, done.stdout
