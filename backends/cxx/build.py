@@ -21,6 +21,7 @@ and the load, until the compile's time limit.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from importlib import resources
 from pathlib import Path
@@ -94,7 +95,7 @@ def library_key(sources: tuple[Path, ...], compiler: Compiler, folder: Path, *, 
     for name, path in keyed:
         content = read_code_file(path, f"model '{model}': runtime.sources: ", "the sources and every C++ file beside "
                                  "and below them (and in the model folder when a source is in it)")
-        digest.update(name.encode() + b"\0" + content + b"\0")
+        digest.update(os.fsencode(name) + b"\0" + content + b"\0")  # (a file name need not be UTF-8)
     return digest.hexdigest()[:20], [header, *(path for _, path in keyed)]
 
 

@@ -418,7 +418,7 @@ class NativeLibrary:
         # Said first: the library's static constructors run in the server's own process, and one that exits or
         # crashes ends it (nereid check too) with no other line naming the model.
         log.info("model '%s': opening shared library %s", model, path)
-        self._handle: int | None = self._libc.dlopen(str(self._copy).encode(), _RTLD_NOW | _RTLD_LOCAL)
+        self._handle: int | None = self._libc.dlopen(os.fsencode(self._copy), _RTLD_NOW | _RTLD_LOCAL)
         if not self._handle:
             # The loader names the file it was given: name the user's instead, once, and the copy's folder,
             # which the fault may be of rather than the file's (a file system that refuses to map code).

@@ -149,6 +149,17 @@ def test_the_library_key_of_a_model_folder_linked_in_from_outside_the_repository
     assert library_hash((folder / "model.cpp",), (CXX,), folder, model="m") != before
 
 
+def test_the_library_key_covers_a_header_whose_name_is_not_utf_8(tmp_path):
+    """Defect (the deploy hunt): a header named with a latin-1 byte beside the sources made the model UNAVAILABLE
+    with a UnicodeEncodeError: its name went into the key as UTF-8, not as the file system names it."""
+    (tmp_path / "model.cpp").write_text("int f() { return 1; }\n")
+    header = tmp_path / os.fsdecode(b"caf\xe9.h")
+    header.write_text("constexpr int k = 1;\n")
+    before = library_hash((tmp_path / "model.cpp",), (CXX,), tmp_path, model="m")
+    header.write_text("constexpr int k = 2;\n")
+    assert library_hash((tmp_path / "model.cpp",), (CXX,), tmp_path, model="m") != before
+
+
 def test_a_cached_library_whose_code_was_zeroed_is_built_again_never_dlopened(repo, tmp_path):
     """Found by a bug hunt of persistent caches: .cache/lib-<hash>.so with its code zeroed (a torn write, bit-rot)
     and its ELF headers whole passed the cache's one check; the server dlopened it and died of SIGSEGV, at that

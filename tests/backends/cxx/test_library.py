@@ -426,6 +426,21 @@ def test_a_library_whose_name_is_near_the_file_systems_limit_loads(tmp_path, lib
         library.close()
 
 
+def test_a_library_in_a_scratch_folder_whose_path_is_not_utf_8_loads(tmp_path, libs):
+    """Defect (the deploy hunt): a TMPDIR holding a latin-1 byte (\\xe9, under LANG=C) made every cxx model
+    UNAVAILABLE with a UnicodeEncodeError: the copy's path was encoded as UTF-8 for dlopen, not as the file system
+    names it."""
+    from nereid.backends.cxx.library import NativeLibrary
+
+    scratch = tmp_path / os.fsdecode(b"scratch-\xe9")
+    scratch.mkdir()
+    library = NativeLibrary("m", libs["multi"], scratch)
+    try:
+        assert library.infer is not None
+    finally:
+        library.close()
+
+
 OPENMP_LIBRARY = r'''
 #include <omp.h>
 #include "nereid_cxx.h"
