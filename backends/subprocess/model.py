@@ -46,8 +46,11 @@ log = logging.getLogger(__name__)
 # Descriptors of the model folder kept across renames (the oldest is closed past this).
 MAX_FOLDER_FDS = 8
 
-# Inherited by children from the server's environment; everything else is dropped.
-INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "SYSTEMROOT", "LD_LIBRARY_PATH")
+# Inherited by children from the server's environment; everything else is dropped. Python's two settings of where
+# bytecode goes are a deployment's (an image's PYTHONDONTWRITEBYTECODE=1 keeps __pycache__/ out of a read-only or
+# shared repository): dropped, a main.py importing a helper of its folder wrote one there (the deploy hunt).
+INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "SYSTEMROOT", "LD_LIBRARY_PATH", "PYTHONDONTWRITEBYTECODE",
+                 "PYTHONPYCACHEPREFIX")
 
 # What separates the names in NEREID_INPUT_NAMES and NEREID_OUTPUT_NAMES.
 NAMES_SEPARATOR = ","

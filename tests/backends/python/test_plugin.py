@@ -886,6 +886,18 @@ def test_a_helper_modules_syntax_error_is_told_as_python_main_py_tells_it(repo, 
     assert "frozen importlib" not in tail and "warm_parent" not in tail and "get_code" not in tail, tail
 
 
+def test_a_server_told_not_to_write_bytecode_writes_none_into_a_model_folder(repo, serve, monkeypatch, start_mode):
+    """Defect (the deploy hunt): PYTHONDONTWRITEBYTECODE=1 (as images set it, against a read-only or shared
+    repository) was dropped from the runs' environment, and a main.py importing a helper of its folder wrote
+    __pycache__/ into the model folder, warm or cold."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    folder = repo.python("helped", main="import helper\n" + ECHO_MAIN)
+    (folder / "helper.py").write_text("VALUE = 1\n")
+    server = serve(repo.write_config())
+    assert infer(server, "helped", FOUR).as_numpy("output").tolist() == FOUR.tolist()
+    assert not (folder / "__pycache__").exists()
+
+
 def _noting_waits_for_replies(monkeypatch) -> threading.Event:
     """An event set once a batch waits for its warm parent's reply (the batch handed over to the parent)."""
     from nereid.backends.python import warm
