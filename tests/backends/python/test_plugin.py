@@ -100,7 +100,7 @@ with open(os.environ["NEREID_OUTPUT_PATH"], "wb") as out:  # one copy of the rep
 # Besides the variables the contract names, only these may reach a model.
 ALLOWED_ENV = {"PATH", "LANG", "LC_ALL", "HOME", "SYSTEMROOT", "LD_LIBRARY_PATH", "TMPDIR", "CUDA_VISIBLE_DEVICES",
                "NEREID_OUTPUT_PATH", "NEREID_OUTPUT_NAMES", "NEREID_MODEL_NAME", "NEREID_INPUT_SHAPE",
-               "NEREID_INPUT_DTYPE",
+               "NEREID_INPUT_DTYPE", "PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX",
                "LC_CTYPE"}  # set by the child's own interpreter (PEP 538 locale coercion), not inherited
 
 
