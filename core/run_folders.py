@@ -30,9 +30,14 @@ RUNS_FOLDER = ".r"
 RUN_NAME_BYTES = 6
 # The longest path an AF_UNIX socket may have (sun_path's 108 bytes, less its NUL).
 AF_UNIX_PATH_MAX = 107
-# What multiprocessing puts under TMPDIR for its sockets ("/pymp-XXXXXXXX/listener-XXXXXXXX": 32 bytes), and a
-# little more: a run's TMPDIR that leaves less room is said at start.
-SOCKET_ROOM = 40
+# What multiprocessing puts under TMPDIR for its sockets: "/pymp-XXXXXXXX/listener-XXXXXXXX".
+MULTIPROCESSING_SOCKET_BYTES = 32
+# A python model's warm parent has its run folder's "/tmp" as TMPDIR: its preloaded imports' sockets go there.
+WARM_PARENT_TMPDIR_EXTRA = 4
+# The room a run's TMPDIR must leave, exactly: a run's TMPDIR that leaves less is said at start. (It was 40, "a
+# little more" than the sockets' 32: the WARNING said runs "will fail" for server TMPDIRs of 30-37 bytes, whose runs
+# all made their sockets; the deploy hunt.)
+SOCKET_ROOM = MULTIPROCESSING_SOCKET_BYTES + WARM_PARENT_TMPDIR_EXTRA
 
 
 def runs_folder(scratch_dir: Path) -> Path:
@@ -68,8 +73,10 @@ def warn_if_sockets_cannot_fit(scratch_dir: Path) -> None:
         return
     server_tmpdir = scratch_dir.parent
     allowed = AF_UNIX_PATH_MAX - SOCKET_ROOM - (tmpdir - len(os.fsencode(str(server_tmpdir))))
+    where = ("" if tmpdir + MULTIPROCESSING_SOCKET_BYTES > AF_UNIX_PATH_MAX
+             else " in a warm parent's preloaded imports (its TMPDIR is the run folder's /tmp; runs still fit)")
     log.warning("a run's TMPDIR (%s/<12 hex digits>) is %d bytes, too long for the AF_UNIX sockets programs make "
                 "under it (at most %d bytes a path): a python model's multiprocessing forkserver or Manager() will "
-                "fail (OSError: AF_UNIX path too long); set the server's TMPDIR (now %s, %d bytes) to a folder of at "
-                "most %d bytes", runs_folder(scratch_dir), tmpdir, AF_UNIX_PATH_MAX, server_tmpdir,
+                "fail%s (OSError: AF_UNIX path too long); set the server's TMPDIR (now %s, %d bytes) to a folder of "
+                "at most %d bytes", runs_folder(scratch_dir), tmpdir, AF_UNIX_PATH_MAX, where, server_tmpdir,
                 len(os.fsencode(str(server_tmpdir))), max(allowed, 1))

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import shutil
 import stat
 from pathlib import Path
+
+import pytest
 
 from nereid.leftovers import remove_scratch_folder
 from nereid.plugins import make_plugin_manager
@@ -69,3 +73,28 @@ def test_a_server_in_a_short_tmpdir_says_nothing_of_sockets(repo, caplog):
         assert socket_warnings(caplog) == []
     finally:
         remove_scratch_folder(server.scratch_dir)
+
+
+@pytest.mark.parametrize("extra, fits", [(0, True), (1, False)])
+def test_the_room_said_is_exactly_what_multiprocessing_s_sockets_take_in_a_warm_parent(extra, fits):
+    """The deploy hunt: the bound left 40 bytes for sockets that take 32 (and a warm parent's /tmp, 4 more), so
+    the WARNING said runs "will fail" for server TMPDIRs of 30-37 bytes whose runs all made their sockets. Measured
+    here with a real Manager() in a TMPDIR as long as the longest run folder the bound allows, warm: its /tmp."""
+    import subprocess
+    import sys
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        run_tmpdir = base / ("r" * (AF_UNIX_PATH_MAX - SOCKET_ROOM + extra - len(str(base)) - 1))
+        assert len(str(run_tmpdir)) == AF_UNIX_PATH_MAX - SOCKET_ROOM + extra
+        (run_tmpdir / "tmp").mkdir(parents=True)
+        done = subprocess.run([sys.executable, "-c", "import multiprocessing\n"
+                               "multiprocessing.Manager().shutdown()\n"],
+                              env={**os.environ, "TMPDIR": str(run_tmpdir / "tmp")}, capture_output=True, text=True,
+                              timeout=60)
+        assert (done.returncode == 0) == fits, done.stderr[-1000:]
+        if not fits:
+            assert "AF_UNIX path too long" in done.stderr, done.stderr[-1000:]
+    finally:
+        shutil.rmtree(base)
