@@ -108,6 +108,10 @@ class ModelRepository:
         self._entries: dict[str, ModelEntry] = {}
         self._dependents = DependentStates()
         self._scan_errors = RateLimitedLog(log)
+        # The listing's last failure, said once until it changes or a listing answers: RepositoryIndex lists again
+        # at each call, and an ml_backends_path that can be searched but not listed (mode 711, a hardening whose
+        # models all serve) logged an ERROR at each, ten every 10 s under a polling sidecar (the deploy hunt).
+        self._last_scan_error: str | None = None
         # Work that outlives the call that started it: old versions draining after a reload, removals. Awaited
         # by unload_all; the versions draining are also ended by terminate_running.
         self._background: set[asyncio.Task] = set()
@@ -454,9 +458,15 @@ class ModelRepository:
         try:
             names = scan_model_folders(server)
         except StorageError as err:
-            if logged:  # rate-limited: RepositoryIndex rescans, so a client can ask for this line at will
+            if not logged:
+                pass
+            elif str(err) != self._last_scan_error:  # (rate-limited too: a client can make it change at will)
                 self._scan_errors.error("%s", err)
+            else:
+                log.debug("%s (again)", err)
+            self._last_scan_error = str(err)
             return RepositoryScan(None, err)
+        self._last_scan_error = None
         return RepositoryScan(names, leftovers=tuple(mirror_leftovers(server, names)))
 
     def _forget_gone(self, present: set[str]) -> None:

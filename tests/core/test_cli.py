@@ -1718,39 +1718,61 @@ def test_a_repository_the_server_s_user_cannot_search_leaves_each_model_unavaila
             in done.stdout), done.stdout
 
 
-def test_serve_with_an_ml_backends_path_it_cannot_search_reports_each_model_unavailable_and_stops_cleanly(repo) -> None:
-    """Defect (the deploy hunt): the server's load of a listed model raised PermissionError in a task nothing
-    awaited, said nowhere, and the model stayed LOADING ("waiting to load") for good."""
+@contextlib.contextmanager
+def _serving_as_non_root(repo, models_mode: int):
+    """`nereid serve` of ``repo``'s nereid.yaml, its ml_backends_path given ``models_mode`` for the while, run as a
+    server that is not root runs (see run_as_non_root); yields (process, client). Killed if still running."""
     if os.geteuid() == 0 and shutil.which("setpriv") is None:
         pytest.skip("needs setpriv to drop root's right to read and write any folder")
-    repo.python("echo")
-    config = repo.write_config('- name: "echo"\n')
     port = free_port()
-    repo.models_dir.chmod(0o600)
+    repo.models_dir.chmod(models_mode)
     try:
         process = subprocess.Popen([*(["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
                                       if os.geteuid() == 0 else []),
-                                    *NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}"],
+                                    *NEREID, "serve", "--config", str(repo.root / "nereid.yaml"),
+                                    "--bind", f"127.0.0.1:{port}"],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            client = triton.InferenceServerClient(f"127.0.0.1:{port}")
-
-            def reason() -> str:
-                try:
-                    (model,) = client.get_model_repository_index().models
-                except InferenceServerException:
-                    return ""
-                return model.reason if model.state == "UNAVAILABLE" else ""
-
-            said = wait_until(reason, 30)
-            assert said and ("cannot be read by the server's user" in said and "Permission denied" in said), said
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(30) == 0
-            output = process.stdout.read()
-            assert "Traceback" not in output and "nereid stopped" in output, output
+            yield process, triton.InferenceServerClient(f"127.0.0.1:{port}")
         finally:
             if process.poll() is None:
                 process.kill()
                 process.wait()
     finally:
         repo.models_dir.chmod(0o755)
+
+
+def test_an_ml_backends_path_that_can_be_searched_not_listed_is_said_once_not_at_each_index(repo) -> None:
+    """Defect (the deploy hunt): with ml_backends_path mode 711 (a hardening: every listed model serves), each
+    RepositoryIndex logged an ERROR that it cannot be listed, ten every 10 s under a polling sidecar."""
+    repo.python("echo")
+    repo.write_config('- name: "echo"\n')
+    with _serving_as_non_root(repo, 0o311) as (process, client):
+        assert wait_until(lambda: server_ready(client), 30)
+        for _ in range(5):
+            assert [m.name for m in client.get_model_repository_index().models] == ["echo"]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        output = process.stdout.read()
+    assert len([line for line in output.splitlines() if "cannot list it: Permission denied" in line]) == 1, output
+
+
+def test_serve_with_an_ml_backends_path_it_cannot_search_reports_each_model_unavailable_and_stops_cleanly(repo) -> None:
+    """Defect (the deploy hunt): the server's load of a listed model raised PermissionError in a task nothing
+    awaited, said nowhere, and the model stayed LOADING ("waiting to load") for good."""
+    repo.python("echo")
+    repo.write_config('- name: "echo"\n')
+    with _serving_as_non_root(repo, 0o600) as (process, client):
+        def reason() -> str:
+            try:
+                (model,) = client.get_model_repository_index().models
+            except InferenceServerException:
+                return ""
+            return model.reason if model.state == "UNAVAILABLE" else ""
+
+        said = wait_until(reason, 30)
+        assert said and ("cannot be read by the server's user" in said and "Permission denied" in said), said
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        output = process.stdout.read()
+        assert "Traceback" not in output and "nereid stopped" in output, output
