@@ -458,11 +458,9 @@ class ModelRepository:
         try:
             names = scan_model_folders(server)
         except StorageError as err:
-            if not logged:
-                pass
-            elif str(err) != self._last_scan_error:  # (rate-limited too: a client can make it change at will)
+            if logged and str(err) != self._last_scan_error:  # (rate-limited too: a client can make it change)
                 self._scan_errors.error("%s", err)
-            else:
+            elif logged:
                 log.debug("%s (again)", err)
             self._last_scan_error = str(err)
             return RepositoryScan(None, err)

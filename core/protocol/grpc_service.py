@@ -131,10 +131,10 @@ SERIALIZE_OFF_LOOP_BYTES = 4 << 20
 MAX_SEND_MESSAGE_BYTES = (1 << 31) - 1
 
 
-# nereid_protocol_refused_total's reason for a request gRPC delivered but protobuf cannot parse.
 # A unary call this close to its gRPC deadline, or past it, is left to gRPC's core to end (see _maps_errors).
 DEADLINE_ENDS_THE_CALL_S = 0.001
 
+# nereid_protocol_refused_total's reason for a request gRPC delivered but protobuf cannot parse.
 REFUSED_UNPARSABLE = "unparsable"
 REFUSED_OUT_OF_MEMORY = "out_of_memory"  # (HTTP's word for it too)
 
