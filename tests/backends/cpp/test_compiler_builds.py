@@ -359,7 +359,7 @@ def test_a_build_made_under_a_umask_taking_the_owner_s_execute_bit_still_runs(tm
     shutil.copytree(EXAMPLES / "cpp_scale", folder, ignore=shutil.ignore_patterns(".cache"))
     (tmp_path / "scratch").mkdir()
     # (In a process of its own: the umask is the whole process's, this test's other threads' too.)
-    script = (f"import os, subprocess; os.umask({umask:#o})\n"
+    script = (f"import os; os.umask({umask:#o})\n"
               "from pathlib import Path\nfrom nereid.backends.cpp import compiler\n"
               f"binary = compiler.build_binary(Path({str(folder)!r}), 'main.cpp', Path({str(tmp_path / 'scratch')!r}), "
               "'scale')\n"
