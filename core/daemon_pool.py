@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import queue
+import resource
 import threading
 import time
 from concurrent.futures import CancelledError, Executor, Future
@@ -41,9 +42,19 @@ class ThreadStartFailed(Unavailable, RuntimeError):
     """
 
     def __init__(self, cause: RuntimeError) -> None:
-        super().__init__(f"{describe_exception(cause)}: a process or thread limit, such as ulimit -u or a "
-                         "container's pids limit, is reached")
+        super().__init__(f"{describe_exception(cause)}: {thread_start_hint()}")
         self.cause = cause
+
+
+def thread_start_hint() -> str:
+    """Why a thread cannot start, as a rule: a process or thread limit, or (when the server has one) an address-space
+    limit too low for another thread's stack. Under ``ulimit -v`` the limit alone was named, the wrong cause (the
+    deploy hunt)."""
+    hint = "a process or thread limit, such as ulimit -u or a container's pids limit, is reached"
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        hint += f", or the address-space limit (ulimit -v, {soft >> 20} MiB) leaves no room for another thread's stack"
+    return hint
 
 
 def make_room_for_threads(count: int) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from nereid.daemon_pool import thread_start_hint
 from nereid.errors import ModelFailure, ModelKilled, NereidError, NotStarted, Unavailable
 from nereid.files import descriptor_path
 from nereid.settings import DEFAULT_CONFIG_NAME
@@ -859,9 +860,9 @@ class _ExitWatcher:
             thread.start()
         except RuntimeError as err:  # ("can't start new thread")
             log.warning("model '%s': the thread that notices warm parents exiting while idle could not start (%s: "
-                        "a process or thread limit, such as ulimit -u or a container's pids limit, is reached); "
-                        "it is started again at the next parent's start, and until then a parent that dies while "
-                        "its model is idle is reaped at the model's next batch", parent.name, err)
+                        "%s); it is started again at the next parent's start, and until then a parent that dies "
+                        "while its model is idle is reaped at the model's next batch", parent.name, err,
+                        thread_start_hint())
             return
         self._thread = thread
 

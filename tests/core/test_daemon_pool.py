@@ -243,3 +243,19 @@ def test_room_for_threads_is_asked_by_starting_them_and_none_is_left_running(mon
     with pytest.raises(ThreadStartFailed, match=r"^RuntimeError: can't start new thread: a process or thread limit"):
         make_room_for_threads(8)
     assert refused == ["nereid-thread-room"] and room_threads() == []
+
+
+def test_a_thread_that_cannot_start_under_an_address_space_limit_names_that_limit_too() -> None:
+    """Defect (the deploy hunt): under ``ulimit -v`` a thread's start fails for want of room for its stack, and the
+    refusal named only process and thread limits."""
+    import subprocess
+    import sys
+
+    script = ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (1 << 30, resource.RLIM_INFINITY))\n"
+              "from nereid.daemon_pool import ThreadStartFailed, make_room_for_threads\n"
+              "try:\n    make_room_for_threads(4096)\nexcept ThreadStartFailed as failed:\n    print(failed)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("a process or thread limit, such as ulimit -u or a container's pids limit, "
+                                        "is reached, or the address-space limit (ulimit -v, 1024 MiB) leaves no "
+                                        "room for another thread's stack"), done.stdout
