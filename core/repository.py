@@ -1025,8 +1025,9 @@ class ModelRepository:
         forgotten (see :meth:`FolderCleanup.drop_mirrors_soon`).
         """
         if self.settings.server.ml_backends_url is None:
-            if not emptied_counts or folder_gone(entry.folder):
-                return folder_gone(entry.folder)
+            gone = folder_gone(entry.folder)
+            if gone or not emptied_counts:
+                return gone
             stamped = await on_io_thread(folder_stamp, entry.folder)
             return stamped is None or not stamped[0]
         try:

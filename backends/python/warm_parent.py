@@ -364,12 +364,11 @@ class _OsBindings:
             elif value is os.remove or value is os.unlink:
                 self.removers.add(name)
 
-    def with_imports_of(self, code: types.CodeType) -> "_OsBindings":
-        """These, and the names ``code``'s own import statements bind to os (``import os as o``) or to its
-        remove or unlink (``from os import remove as rm``)."""
+    def with_imports_of(self, instructions: list[dis.Instruction]) -> "_OsBindings":
+        """These, and the names a code object's own import statements (its ``instructions``) bind to os
+        (``import os as o``) or to its remove or unlink (``from os import remove as rm``)."""
         bound = _OsBindings()
         bound.modules, bound.removers = set(self.modules), set(self.removers)
-        instructions = list(dis.get_instructions(code))
         for index, instruction in enumerate(instructions):
             if instruction.opname != "IMPORT_NAME" or instruction.argval.partition(".")[0] != "os":
                 continue
@@ -404,19 +403,21 @@ def _calls_a_removal(code: types.CodeType, names: dict[str, object], bound: _OsB
     """Whether ``code``, or a function defined in it, names one of :data:`REMOVING_NAMES` or loads ``os``'s
     ``remove`` (``names``: the function's globals; ``bound``: its locals and cells known to hold os or its
     removers, to which the code's own imports are added)."""
-    bound = bound.with_imports_of(code)
-    if REMOVING_NAMES.intersection(code.co_names) or _loads_os_remove(code, names, bound):
+    instructions = list(dis.get_instructions(code))  # (read once: both looks below go over them)
+    bound = bound.with_imports_of(instructions)
+    if REMOVING_NAMES.intersection(code.co_names) or _loads_os_remove(instructions, names, bound):
         return True
     return any(_calls_a_removal(const, names, bound) for const in code.co_consts if isinstance(const, types.CodeType))
 
 
-def _loads_os_remove(code: types.CodeType, names: dict[str, object], bound: _OsBindings) -> bool:
-    """Whether ``code`` itself loads os.remove (or os.unlink): a name that holds it, or the attribute ``remove`` of a
-    name that holds the os module (a global told by ``names``, a local or cell by ``bound``)."""
+def _loads_os_remove(instructions: list[dis.Instruction], names: dict[str, object], bound: _OsBindings) -> bool:
+    """Whether a code object itself (its ``instructions``) loads os.remove (or os.unlink): a name that holds it, or
+    the attribute ``remove`` of a name that holds the os module (a global told by ``names``, a local or cell by
+    ``bound``)."""
     removers = (os.remove, os.unlink)
     local = ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
     previous = None
-    for instruction in dis.get_instructions(code):
+    for instruction in instructions:
         if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
             if any(names.get(instruction.argval) is remover for remover in removers):
                 return True
