@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
+from nereid import python_source
 from nereid.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def leading_imports(source: bytes) -> list[str]:
     """The modules a model.py imports at its top, before any other statement (its docstring aside): what its run
     imports first, whatever it does next; [] for source that does not parse (its run says why)."""
     try:
-        tree = ast.parse(source)
+        tree = python_source.parse(source)
     except (SyntaxError, ValueError):
         return []
     names: list[str] = []

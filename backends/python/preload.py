@@ -8,19 +8,13 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from nereid import python_source
 from nereid.backends.subprocess.model import INHERITED_ENV
 from nereid.backends.subprocess.runner import DEFAULT_PATH
 from nereid.errors import ConfigError
-
-
-# CPython 3.11 counts the AST constructor's recursion in interpreter-wide state, so two threads
-# parsing at once can fail with "SystemError: AST constructor recursion depth mismatch"
-# (python/cpython#106905). Models load on worker threads, side by side: parse one at a time.
-_PARSING = threading.Lock()
 
 
 def imported_modules(main_py: Path, source: bytes) -> list[str]:
@@ -39,8 +33,7 @@ def imported_modules(main_py: Path, source: bytes) -> list[str]:
 def _checked_tree(main_py: Path, source: bytes) -> ast.Module:
     """``main.py`` parsed; ConfigError when ``python main.py`` would stop at a SyntaxError."""
     try:
-        with _PARSING:
-            tree = ast.parse(source, filename=str(main_py))
+        tree = python_source.parse(source, filename=str(main_py))
         # Some errors only the compiler finds ('return' outside a function, 'break' outside a loop, a
         # module-level 'nonlocal', 'await' outside an async function): each run would fail on them, and
         # with a reload the working version would be replaced by one that cannot run. dont_inherit: as
@@ -154,8 +147,7 @@ def triton_python_model(source: bytes) -> str | None:
     if TRITON_UTILS.encode() not in source and TRITON_MODEL_CLASS.encode() not in source:
         return None
     try:
-        with _PARSING:
-            tree = ast.parse(source)
+        tree = python_source.parse(source)
     except (SyntaxError, ValueError):  # (the load refuses it, saying why: see _checked_tree)
         return None
     for node in ast.walk(tree):
