@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import BinaryIO, Callable, Mapping
 
 from nereid.daemon_pool import thread_start_hint
 from nereid.errors import ModelFailure, ModelKilled, NereidError, NotStarted, Unavailable
@@ -265,15 +265,17 @@ class WarmParent:
             raise WarmParentBlocked(f"no socket for it: {err.strerror or err}", cause=err) from None
         cwd = self._folder_path()
         try:
-            with open(self.log_path, "ab") as log_file:
+            with self._opened_log() as log_file:
                 process = subprocess.Popen(
                     [sys.executable, "-P", str(runnable_script(WARM_PARENT_SCRIPT)), str(theirs.fileno()),
                      json.dumps(modules.as_json()), str(self.folder), str(self.entry_source)],
                     cwd=cwd, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
                     pass_fds=(theirs.fileno(),), start_new_session=True)
-        except OSError as err:  # its log (a full disk), the fork (EAGAIN, ENOMEM), the descriptors of its pipes
+        except OSError as err:  # the fork (EAGAIN, ENOMEM), the descriptors of its pipes, entering the folder
             ours.close()
-            raise WarmParentBlocked(f"its process could not be started: {err.strerror or err}",
+            # The bare reason: each caller says what could not be started (a load's "its parent process could not
+            # be started: ...", a restart's "could not be restarted"), where this said it a second time.
+            raise WarmParentBlocked(err.strerror or str(err),
                                     err if entering_failed(err, cwd) else None, cause=err) from None
         except BaseException:
             ours.close()
@@ -340,6 +342,14 @@ class WarmParent:
         except OSError as err:  # a full disk, a scratch folder made unwritable
             raise WarmParentBlocked(f"cannot prepare its folder {self.log_path.parent}: "
                                     f"{err.strerror or err}") from None
+
+    def _opened_log(self) -> BinaryIO:
+        """The parent's log (its stderr), opened to append to; WarmParentBlocked naming it if it cannot be."""
+        try:
+            return open(self.log_path, "ab")
+        except OSError as err:  # a full disk, the descriptor limit, something else made where the file was
+            raise WarmParentBlocked(f"cannot open its log {self.log_path}: {err.strerror or err}",
+                                    cause=err) from None
 
     def _folder_path(self) -> str:
         """The loaded folder as a path that leads to it (through its descriptor when there is one)."""

@@ -300,7 +300,7 @@ def test_a_parent_that_cannot_be_restarted_at_a_server_limit_fails_its_batch_una
     parent = object.__new__(WarmParent)  # (only what the failure reads: its name, and its blocked state)
     parent.name, parent.warm, parent.cold_reason, parent._blocked = "m", True, None, None
     limited = parent._blocked_failure(WarmParentBlocked(
-        "its process could not be started: Resource temporarily unavailable",
+        "Resource temporarily unavailable",
         cause=OSError(errno.EAGAIN, "Resource temporarily unavailable")))
     assert isinstance(limited, RunNotStarted) and str(limited).startswith(
         "model 'm': the server could not start a run (EAGAIN: Resource temporarily unavailable")

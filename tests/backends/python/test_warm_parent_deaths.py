@@ -349,6 +349,24 @@ def test_a_parent_that_cannot_be_restarted_for_a_while_leaves_the_model_warm_onc
                  "start is back")]
 
 
+def test_a_restart_that_cannot_open_the_parent_s_log_names_the_log_once(model, no_zombies):
+    """Defect (a closing note's carried item): a parent whose process could not be started said so twice, "its
+    warm parent process could not be restarted: its process could not be started: Is a directory", and a log
+    that could not be opened was not named."""
+    log = model.parent.log_path
+    first = model.parent.pid
+    os.kill(first, signal.SIGKILL)
+    assert wait_until(lambda: model.parent.pid is None)
+    log.unlink()
+    log.mkdir()  # something else where its log was
+    with pytest.raises(ModelFailure) as failure:
+        model.run()
+    assert str(failure.value) == (f"model 'm': its warm parent process could not be restarted: cannot open its log "
+                                  f"{log}: Is a directory; the batch was not run, and the next batch tries again")
+    log.rmdir()
+    assert model.run() == 0 and model.parent.pid != first
+
+
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 def test_a_cold_model_s_parent_is_not_called_warm_in_its_faults(tmp_path, warm, no_zombies):
     """Found by a bug hunt: with warm_start off, a run that killed its parent failed with "its warm parent process
