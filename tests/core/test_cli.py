@@ -179,10 +179,14 @@ def test_serve_finishes_accepted_requests_on_sigterm_or_sighup_and_exits_zero(re
         assert wait_until(lambda: (folder / "started").exists())  # the request is running inside the 1 s model
         process.send_signal(signum)
         # The listener closes as the drain begins: a new request, even on the channel opened before, is
-        # UNAVAILABLE (the README's words).
+        # UNAVAILABLE (the README's words). One that reaches gRPC's core in the instant the listener closes is
+        # ended CANCELLED by gRPC itself, as the README says too (seen once in a full run): sent again.
         assert wait_until(lambda: not server_ready(client))
-        with pytest.raises(InferenceServerException) as refused:
-            client.infer("slow", [tensor])
+        for _ in range(3):
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer("slow", [tensor])
+            if refused.value.status() != "StatusCode.CANCELLED":
+                break
         assert refused.value.status() == "StatusCode.UNAVAILABLE", refused.value
         worker.join(30)
         assert process.wait(30) == 0
