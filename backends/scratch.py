@@ -39,3 +39,32 @@ def scratch_folder_refused(model: str, what: str, scratch_dir: Path, err: OSErro
     ``what`` the model could not do, in the words before the folder ("put its binary PATH into"), and why."""
     return ConfigError(f"model '{model}': cannot {what} the server's scratch folder {scratch_dir}: "
                        f"{err.strerror or err} (the server makes its scratch folder in TMPDIR)")
+
+
+# Below this much free space, a failed run's file system is called full: the write that failed may have asked for
+# more than was left, so the space left need not be zero.
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def full_scratch_hint(folder: Path) -> str:
+    """``"; the file system of ... is full ..."`` for the failure of a run whose folder ``folder`` (its
+    NEREID_OUTPUT_PATH's and its TMPDIR's, in the server's scratch folder) lies on a file system without space or
+    inodes left for the server's user; "" otherwise, or when it cannot be looked at.
+
+    A run whose writes failed on a full disk says only how it ended (a program's own exit code, a missing or
+    short output file): the deploy hunt's full /tmp made the cpp example say "exited with code 4" and no more.
+    Looked at only once a run failed.
+    """
+    try:
+        fs = os.statvfs(folder)
+    except OSError:
+        return ""
+    root = os.geteuid() == 0  # (root may use the blocks a file system reserves)
+    free = (fs.f_bfree if root else fs.f_bavail) * fs.f_frsize
+    inodes = fs.f_ffree if root else fs.f_favail
+    if free >= NEARLY_FULL_BYTES and (inodes > 0 or fs.f_files == 0):  # (f_files 0: no inode count kept)
+        return ""
+    left = "no inodes left" if free >= NEARLY_FULL_BYTES else f"{free >> 10} KiB left"
+    return (f"; the file system of the server's scratch folder is full ({left}), and this run's output file "
+            f"(NEREID_OUTPUT_PATH) and TMPDIR are there, in {folder.parent}: free space there, or set TMPDIR to a "
+            "folder with room (the server makes its scratch folder in TMPDIR)")

@@ -334,17 +334,22 @@ async def until(condition: Callable[[], object], timeout_s: float = 30.0, what: 
 
 
 def run_with_tmpdir_mounted_noexec(tmpdir: Path, argv: list[str]) -> subprocess.CompletedProcess:
-    """Run ``argv`` with TMPDIR on a fresh tmpfs mounted noexec at ``tmpdir``, as hardened containers mount /tmp.
+    """Run ``argv`` with TMPDIR on a fresh tmpfs mounted noexec at ``tmpdir``, as hardened containers mount /tmp."""
+    return run_with_tmpdir_on_a_tmpfs(tmpdir, argv, "noexec,size=64m")
+
+
+def run_with_tmpdir_on_a_tmpfs(tmpdir: Path, argv: list[str], options: str) -> subprocess.CompletedProcess:
+    """Run ``argv`` with TMPDIR on a fresh tmpfs mounted at ``tmpdir`` with ``options`` ("size=1m").
 
     The mount is made in a user and mount namespace of the run's own (``unshare -rm``: no root needed, and
     nothing outside sees it); the test is skipped where this machine allows no such namespace.
     """
     tmpdir.mkdir()
-    mount = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o noexec,size=64m tmpfs "$0" && TMPDIR="$0" exec "$@"',
+    mount = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o {options} tmpfs "$0" && TMPDIR="$0" exec "$@"',
              str(tmpdir)]
     probe = subprocess.run([*mount, "true"], capture_output=True, text=True) if shutil.which("unshare") else None
     if probe is None or probe.returncode != 0:
-        pytest.skip(f"cannot mount a noexec tmpfs in a namespace here: {probe and probe.stderr.strip()}")
+        pytest.skip(f"cannot mount a tmpfs in a namespace here: {probe and probe.stderr.strip()}")
     return subprocess.run([*mount, *argv], capture_output=True, text=True, timeout=120)
 
 

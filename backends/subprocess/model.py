@@ -33,6 +33,7 @@ from nereid.runtime_options import RuntimeOptions
 from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, dims_match, load_textproto_signature
 from nereid.tensors import NamedTensor, tensor_buffer, tensor_bytes
 
+from nereid.backends.scratch import full_scratch_hint
 from nereid.backends.subprocess.dtype_names import CONTRACT_NAMES, contract_name
 from nereid.backends.subprocess.framing import (MAX_BYTES_ELEMENTS, MAX_BYTES_ROWS, frame_buffers, read_body,
                                                read_header)
@@ -137,11 +138,17 @@ class SubprocessModel:
                 if result.timed_out:
                     raise timed_out(name, self.context.settings.timeout_s, "its process group was killed",
                                     self.context.config_name)
-                if result.returncode != 0:
-                    tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
-                    fault = ModelKilled if result.returncode < 0 else ModelFailure
-                    raise fault(f"model '{name}' {result.describe()}{tail}{self.failed_run_hint()}")
-                return self._read_outputs(output_path, batch, result.output_tail)
+                try:
+                    if result.returncode != 0:
+                        tail = f"; output tail: {result.output_tail}" if result.output_tail else ""
+                        fault = ModelKilled if result.returncode < 0 else ModelFailure
+                        raise fault(f"model '{name}' {result.describe()}{tail}{self.failed_run_hint()}")
+                    return self._read_outputs(output_path, batch, result.output_tail)
+                except ModelFailure as err:
+                    # Its exit code, or a missing or short output, is all a run whose writes met a full disk shows.
+                    if type(err) in (ModelFailure, ModelKilled) and (full := full_scratch_hint(work_dir)):
+                        raise type(err)(f"{err}{full}") from None
+                    raise
             finally:
                 self._remove_run_folder(work_dir)
 

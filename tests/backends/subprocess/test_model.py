@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +27,7 @@ from nereid.backends.subprocess import model as model_module
 from nereid.backends.subprocess.framing import encode_frame
 from nereid.backends.subprocess.model import MAX_ENV_STRING_BYTES, MAX_FOLDER_FDS, SubprocessModel
 
-from support import fake_gpu_machine as machine, textproto_single
+from support import fake_gpu_machine as machine, run_with_tmpdir_on_a_tmpfs, textproto_single
 
 # Echoes its input as the output tensor and appends where it ran to ran.txt in its folder.
 ECHO_SH = """pwd -P >> ran.txt
@@ -514,6 +516,65 @@ def test_the_bound_is_on_all_the_outputs_of_a_run_together(tmp_path, monkeypatch
     assert str(caught.value) == ("model 'two': output 'y': header promises 28 bytes of float32 [1, 7]; nereid reads "
                                  "at most 31 bytes of outputs from one run (what one gRPC answer carries; over HTTP "
                                  "too) and the outputs before it took 7")
+
+
+# A ShellModel whose scratch folder is TMPDIR (a 1 MiB tmpfs), filled before one run and emptied before the next;
+# prints both runs' outcomes.
+RUNS_ON_A_FULL_DISK = r"""
+import json, os, sys
+from pathlib import Path
+import numpy as np
+from nereid.backend import ModelContext
+from nereid.settings import ModelSettings
+from nereid.tensors import NamedTensor
+from nereid.backends.subprocess.model import SubprocessModel
+
+class ShellModel(SubprocessModel):  # (as this file's)
+    entry_file = "main.sh"
+
+    def command(self):
+        return ["/bin/sh", self.entry_file]
+
+scratch, folder = Path(os.environ["TMPDIR"]), Path(sys.argv[1])
+model = ShellModel(ModelContext("shell", folder, ModelSettings("shell"), scratch, "nereid.yaml: models[0]"))
+model.load()
+
+def ask():
+    try:
+        return model.infer([NamedTensor.from_array("input", np.ones((1, 4), np.float32))])[0].data.tolist()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+
+filler = os.open(scratch / "filler", os.O_WRONLY | os.O_CREAT)
+try:
+    while True:
+        os.write(filler, bytes(1 << 16))
+except OSError:  # (full)
+    os.close(filler)
+full = ask()
+os.unlink(scratch / "filler")
+print(json.dumps([full, ask()]))
+model.unload()
+"""
+
+
+@pytest.mark.parametrize("ending, expected", [
+    ("|| exit 4", "model 'shell' exited with code 4"),  # (the cpp example's own code for a failed write)
+    ("; exit 0", "model 'shell': output 'output'"),  # (a write not checked: a short output file)
+], ids=["exit-code", "short-output"])
+def test_a_run_failing_on_a_full_scratch_disk_says_the_disk_is_full(tmp_path, ending, expected) -> None:
+    """The deploy hunt: with a full /tmp the cpp example said only "exited with code 4", its own exit code."""
+    folder = unloaded(tmp_path, main=ECHO_SH.replace('> "$NEREID_OUTPUT_PATH"',
+                                                     f'> "$NEREID_OUTPUT_PATH" 2>/dev/null {ending}')).context.folder
+    result = run_with_tmpdir_on_a_tmpfs(tmp_path / "tmpfs", [sys.executable, "-c", RUNS_ON_A_FULL_DISK, str(folder)],
+                                        "size=1m")
+    assert result.returncode == 0, result.stderr
+    full, afterwards = json.loads(result.stdout)
+    assert full.startswith(f"ModelFailure: {expected}") and full.endswith(
+        f"; the file system of the server's scratch folder is full (0 KiB left), and this run's output file "
+        f"(NEREID_OUTPUT_PATH) and TMPDIR are there, in {tmp_path / 'tmpfs'}: free space there, or set TMPDIR to a "
+        "folder with room (the server makes its scratch folder in TMPDIR)"), full
+    assert afterwards == [[1.0, 1.0, 1.0, 1.0]]
 
 
 def on(tmp_path: Path, device: str, root: Path) -> ShellModel:
