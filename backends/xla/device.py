@@ -183,12 +183,32 @@ def import_jax(model: str) -> None:
     if _jax_imported:
         return  # (later loads take no lock)
     with code_lock(model):
-        for name in _JAX_MODULES:
-            importlib.import_module(name)
+        before = set(sys.modules)
+        try:
+            for name in _JAX_MODULES:
+                importlib.import_module(name)
+        except BaseException:
+            _forget_modules_of(("jax", "jaxlib"), set(sys.modules) - before)
+            raise
         for name in _JAX_MODULES_IF_ANY:
             with contextlib.suppress(ImportError):
                 importlib.import_module(name)
     _jax_imported = True
+
+
+def _forget_modules_of(packages: tuple[str, ...], names: set[str]) -> None:
+    """Remove from ``sys.modules`` those of ``names`` in ``packages``: what an import that failed part-way left
+    there, initialised in part.
+
+    A failed import of jax (``libjax_common.so: failed to map segment`` under
+    ``ulimit -v``) left its submodules imported: the next load's import met
+    them and failed with ``AttributeError: partially initialized module 'jax'
+    has no attribute 'version'``, where it should say again why jax cannot be
+    imported (and, jax installed meanwhile, import it).
+    """
+    for name in names:
+        if name.partition(".")[0] in packages:
+            sys.modules.pop(name, None)
 
 
 def check_xla_flags(model: str) -> None:

@@ -285,3 +285,35 @@ def test_the_flags_in_force_are_those_before_a_model_s_code_started_jax(tmp_path
                           text=True, timeout=120, env={**os.environ, "XLA_FLAGS": str(flags)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["--xla_cpu_max_isa=SSE4_2"], done.stdout
+
+
+# import_jax twice in a process whose address space has room for little more than it holds: jaxlib's library
+# cannot be mapped. Prints each try's exception.
+IMPORTS_JAX_WITHOUT_ROOM = r"""
+import json, resource
+import numpy  # (what the server has imported before any load)
+from nereid.backends.xla.device import import_jax
+
+size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + (60 << 20), resource.RLIM_INFINITY))
+tries = []
+for _ in range(2):
+    try:
+        import_jax("m")
+        tries.append("imported")
+    except Exception as err:
+        tries.append(f"{type(err).__name__}: {err}")
+print(json.dumps(tries))
+"""
+
+
+def test_a_second_load_after_jax_failed_to_import_says_why_again() -> None:
+    """Defect (a deploy hunt under ulimit -v): the first bundle's load said jax could not be imported
+    (libjax_common.so: failed to map segment), and the next one's, meeting the modules that import had left,
+    "AttributeError: partially initialized module 'jax' has no attribute 'version'"."""
+    done = subprocess.run([sys.executable, "-c", IMPORTS_JAX_WITHOUT_ROOM], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = json.loads(done.stdout)
+    assert first.startswith("ImportError: ") and "failed to map segment" in first, first
+    assert second == first
