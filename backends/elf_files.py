@@ -184,5 +184,7 @@ def _dynamic_strings(read: Read) -> dict[int, list[str]]:
         text = read(strtab + offset, _MAX_NAME_BYTES)
         end = text.find(b"\0")
         if end >= 0:
-            strings.setdefault(tag, []).append(text[:end].decode("utf-8", "replace"))
+            # As the os module decodes file names: a name that is not UTF-8 comes back whole from os.fsencode,
+            # for the loader's dlopen and for the file it names (errors="replace" named another file).
+            strings.setdefault(tag, []).append(os.fsdecode(text[:end]))
     return strings

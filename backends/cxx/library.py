@@ -476,7 +476,7 @@ class NativeLibrary:
             self._say_whose(name, loaded, resolved, name in shipped)
             if (name not in shipped and not inside) or _THREAD_POOL_RUNTIME.match(os.path.basename(name)):
                 # (Already loaded, as a dependency: NOLOAD finds it, NODELETE marks it never to be unloaded.)
-                self._libc.dlopen(name.encode(), _RTLD_NOW | _RTLD_NOLOAD | _RTLD_NODELETE)
+                self._libc.dlopen(os.fsencode(name), _RTLD_NOW | _RTLD_NOLOAD | _RTLD_NODELETE)
             elif inside:
                 # A library of the model's own, elsewhere in its folder (lib/, under a RUNPATH $ORIGIN/lib, as SDKs
                 # lay them out): what it needs is looked at too, a libgomp only it needs unloaded with the model
@@ -515,7 +515,7 @@ class NativeLibrary:
     def _loaded_path(self, name: str) -> str | None:
         """Where the loader found the library ``name`` the copy needs (the path it mapped), or None when it is not
         loaded (or its path cannot be told)."""
-        handle = self._libc.dlopen(name.encode(), _RTLD_NOW | _RTLD_NOLOAD)
+        handle = self._libc.dlopen(os.fsencode(name), _RTLD_NOW | _RTLD_NOLOAD)
         if not handle:
             return None
         try:

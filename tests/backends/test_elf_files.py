@@ -28,8 +28,8 @@ def hand_made_elf(wide: bool, big: bool, needed: list[str]) -> bytes:
     (DT_NEEDED offsets into a DT_STRTAB), the string table; no section headers."""
     order = ">" if big else "<"
     header_size, entry_size = (64, 56) if wide else (52, 32)
-    strings = b"\0" + b"".join(name.encode() + b"\0" for name in needed)
-    offsets = [1 + sum(len(n.encode()) + 1 for n in needed[:i]) for i in range(len(needed))]
+    strings = b"\0" + b"".join(os.fsencode(name) + b"\0" for name in needed)
+    offsets = [1 + sum(len(os.fsencode(n)) + 1 for n in needed[:i]) for i in range(len(needed))]
     dynamic_at = header_size + 2 * entry_size
     dynamic_entry = struct.Struct(order + ("qQ" if wide else "iI"))
     count = len(needed) + 2  # the names, DT_STRTAB, DT_NULL
@@ -65,6 +65,13 @@ def test_the_needed_libraries_of_each_layout_are_read_in_order(tmp_path: Path, w
     path.write_bytes(hand_made_elf(wide, big, ["libhelper.so.1", "libc.so.6"]))
     assert needed_libraries(str(path)) == ["libhelper.so.1", "libc.so.6"]
     assert elf_cut_short(str(path)) is None  # whole
+
+
+def test_a_name_that_is_not_utf_8_is_read_as_the_os_module_reads_file_names(tmp_path: Path) -> None:
+    """os.fsencode gives its bytes back, for dlopen and for the file it names (errors="replace" named another)."""
+    path = tmp_path / "libm.so"
+    path.write_bytes(hand_made_elf(True, False, [os.fsdecode(b"libhelper\xff.so")]))
+    assert [os.fsencode(name) for name in needed_libraries(str(path))] == [b"libhelper\xff.so"]
 
 
 @pytest.mark.parametrize("wide,big", LAYOUTS, ids=LAYOUT_IDS)

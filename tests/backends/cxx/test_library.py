@@ -275,6 +275,32 @@ def test_a_dependency_found_in_the_model_s_folder_by_an_absolute_runpath_is_name
         "itself (-Wl,-rpath,'$ORIGIN/lib'), not an absolute path"]
 
 
+def test_a_dependency_whose_name_is_not_utf_8_is_shipped_and_loaded(tmp_path):
+    """A carried item of stop 58's reread: the ELF reader decoded DT_NEEDED names with errors="replace", so a
+    library needing lib/<not UTF-8>.so was looked for under another name: not shipped with the copy, and not
+    found by the loader."""
+    from nereid.backends.cxx.library import NativeLibrary, _shipped_files
+
+    folder = tmp_path / "m"
+    (folder / "lib").mkdir(parents=True)
+    helper = os.fsencode(folder / "lib") + b"/libhelper\xff.so"
+    (tmp_path / "helper.cpp").write_text('#include <cstdint>\nextern "C" int64_t helper_value() { return 5; }\n')
+    (tmp_path / "model.cpp").write_text(_DEPENDENT_MODEL)
+    subprocess.run([CXX, "-shared", "-fPIC", "-o", helper, b"-Wl,-soname,libhelper\xff.so",
+                    str(tmp_path / "helper.cpp")], check=True, capture_output=True, timeout=120)
+    subprocess.run([CXX, "-shared", "-fPIC", "-std=c++17", f"-I{header_dir()}", "-o", str(folder / "libmodel.so"),
+                    str(tmp_path / "model.cpp"), helper, "-Wl,-rpath,$ORIGIN/lib"],
+                   check=True, capture_output=True, timeout=120)
+    assert _shipped_files(folder / "libmodel.so") == {Path(os.fsdecode(helper))}
+    (tmp_path / "scratch").mkdir()
+    library = NativeLibrary("m", folder / "libmodel.so", tmp_path / "scratch", folder)
+    try:
+        value = ctypes.CFUNCTYPE(ctypes.c_int64)(library._symbol("helper_value"))()
+    finally:
+        library.close()
+    assert value == 5
+
+
 @pytest.mark.parametrize("tags,shipped", [
     ("--disable-new-dtags", {"lib/libkern.so", "lib/libmid.so", "lib2/libhelper.so"}),
     ("--enable-new-dtags", {"lib/libkern.so", "lib/libmid.so"})])
