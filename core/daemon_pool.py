@@ -15,13 +15,13 @@ import functools
 import logging
 import os
 import queue
-import resource
 import threading
 import time
 from concurrent.futures import CancelledError, Executor, Future
 from typing import Any, Callable, TypeVar
 
 from nereid.errors import Unavailable, describe_exception
+from nereid.memory import address_space_limit_mib
 
 T = TypeVar("T")
 
@@ -51,9 +51,8 @@ def thread_start_hint() -> str:
     limit too low for another thread's stack. Under ``ulimit -v`` the limit alone was named, the wrong cause (the
     deploy hunt)."""
     hint = "a process or thread limit, such as ulimit -u or a container's pids limit, is reached"
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
-        hint += f", or the address-space limit (ulimit -v, {soft >> 20} MiB) leaves no room for another thread's stack"
+    if (limit := address_space_limit_mib()) is not None:
+        hint += f", or the address-space limit (ulimit -v, {limit} MiB) leaves no room for another thread's stack"
     return hint
 
 

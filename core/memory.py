@@ -1,4 +1,5 @@
-"""Handing freed heap memory back to the operating system after very large requests.
+"""Handing freed heap memory back to the operating system after very large requests; the address-space limit
+that messages about memory name.
 
 gRPC's C core receives a message into many small buffers and copies it twice
 before Python sees it. Those buffers come from the C heap, and glibc keeps freed
@@ -13,8 +14,19 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import resource
 
 log = logging.getLogger(__name__)
+
+
+def address_space_limit_mib() -> int | None:
+    """The process's address-space limit (``ulimit -v``, RLIMIT_AS) in MiB, None when it has none.
+
+    Under it, a thread's stack or a library's mapping fails long before memory is short: messages about a
+    refused thread or a MemoryError name it, where they named only the usual causes (the deploy hunt)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else soft >> 20
+
 
 # Requests at least this large are followed by a trim (smaller ones are not worth the call).
 TRIM_AFTER_BYTES = 32 << 20

@@ -25,6 +25,7 @@ from nereid.batching import BatchPolicy
 from nereid.errors import (ConfigError, MissingModelFile, NereidError, RaisedExit, backend_exit, calling_plugin,
                            describe_exception, plugin_failures, same_kind)
 from nereid.files import check_readable
+from nereid.memory import address_space_limit_mib
 from nereid.plugins import NereidPluginManager, claim_folder
 from nereid.runtime_options import layered_runtime
 from nereid.signature import ModelSignature, brief_description, brief_repr
@@ -260,6 +261,13 @@ def _plugin_step(manager: NereidPluginManager, backend_name: str, context: Model
             raise ConfigError(f"model '{context.name}': {err.filename}: {err.strerror}: the server's user (uid "
                               f"{os.geteuid()}) cannot open it (met by the {step} of "
                               f"{manager.describe(backend_name)})") from None
+        if isinstance(err, MemoryError):
+            # The server's condition, not a bug of the backend's: a bare "MemoryError (raised by ...)" said neither,
+            # nor the address-space limit that is its usual cause where one is set (the deploy hunt).
+            limit = address_space_limit_mib()
+            within = f"; the server's address-space limit (ulimit -v) is {limit} MiB" if limit is not None else ""
+            raise BackendRaised(f"model '{context.name}': the server ran out of memory ({describe_exception(err)} "
+                                f"raised by the {step} of {manager.describe(backend_name)}){within}") from err
         raise BackendRaised(f"model '{context.name}': {describe_exception(err, one_line=True)} (raised by the "
                             f"{step} of {manager.describe(backend_name)})") from err
 

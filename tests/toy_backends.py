@@ -272,6 +272,14 @@ class KeyErrorModel(FaultyModel):
         {}["weights"]
 
 
+class OutOfMemoryModel(FaultyModel):
+    """Its ``load()`` asks for more memory than any machine has: MemoryError, as a load under a memory limit
+    meets it."""
+
+    def load(self) -> None:
+        bytearray(1 << 62)
+
+
 class CreateFailsModel(FaultyModel):
     """Its class, the backend's ``create()``, raises (a constructor with a bug)."""
 
@@ -407,7 +415,7 @@ FAULTS = {"signature_none": SignatureNoneModel, "no_platform": NoPlatformModel, 
           "terminate_fails": TerminateFailsModel, "terminate_slow": TerminateSlowModel,
           "report_fails": ReportFailsModel, "input_check_int": InputCheckIntModel,
           "stop_iteration": StopIterationModel, "unload_hangs": UnloadHangsModel, "caller": CallerModel,
-          "key_error": KeyErrorModel, "create_fails": CreateFailsModel, "refuses": RefusesModel,
+          "key_error": KeyErrorModel, "out_of_memory": OutOfMemoryModel, "create_fails": CreateFailsModel, "refuses": RefusesModel,
           "signature_none_unload_fails": SignatureNoneUnloadFailsModel, "async_load": AsyncLoadModel,
           "async_unload": AsyncUnloadModel, "input_check_async": InputCheckAsyncModel,
           "signature_raises": SignatureRaisesModel, "platform_raises": PlatformRaisesModel,

@@ -50,6 +50,8 @@ def test_a_model_object_failing_its_checks_after_load_is_unloaded_and_refused_na
     ("create_fails", "model 'm': AttributeError: 'NoneType' object has no attribute 'device' (raised by the "
                      "create() of plugin 'faulty')"),
     ("refuses", "weights.bin is for another version of this model"),  # a ConfigError: the reason as given
+    ("out_of_memory", "model 'm': the server ran out of memory (MemoryError raised by the load() of plugin "
+                      "'faulty')"),  # (the server's condition: no bug of the plugin's)
 ])
 def test_what_create_or_load_raises_is_named_with_its_type_and_plugin_unless_it_is_a_reason(tmp_path, fault,
                                                                                             reason) -> None:
@@ -60,6 +62,41 @@ def test_what_create_or_load_raises_is_named_with_its_type_and_plugin_unless_it_
         build_model(_manager(), _context(folder, tmp_path))
     assert str(caught.value) == reason
     assert (caught.value.__cause__ is not None) == (fault != "refuses")  # whose traceback the log line shows
+
+
+# A load that runs out of memory under an address-space limit of 4 GiB; prints its reason.
+LOADS_UNDER_AN_ADDRESS_SPACE_LIMIT = r"""
+import resource, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import toy_backends
+from nereid.backend import ModelContext
+from nereid.errors import ConfigError
+from nereid.model_building import build_model
+from nereid.plugins import make_plugin_manager
+from nereid.settings import ModelSettings
+
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))
+folder = toy_backends.write_faulty(Path(sys.argv[1]) / "ml-backends", "m", "out_of_memory")
+manager = make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends, toy_backends.FaultyToys()))
+try:
+    build_model(manager, ModelContext("m", folder, ModelSettings("m"), Path(sys.argv[1]), "nereid.yaml"))
+except ConfigError as err:
+    print(err)
+"""
+
+
+def test_a_load_out_of_memory_names_the_address_space_limit_where_one_is_set(tmp_path) -> None:
+    """The deploy hunt: under ulimit -v a bundle's load said "MemoryError (raised by the load() ...)", no more."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", LOADS_UNDER_AN_ADDRESS_SPACE_LIMIT, str(tmp_path),
+                           str(Path(__file__).parents[1])], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == ("model 'm': the server ran out of memory (MemoryError raised by the load() of "
+                                   "plugin 'faulty'); the server's address-space limit (ulimit -v) is 4096 MiB")
 
 
 def test_only_a_permission_denied_on_a_file_of_the_model_s_folder_is_said_to_be_the_operator_s() -> None:
