@@ -400,7 +400,21 @@ class _HostLapack:
     initialize: Callable[[], None]
 
 
+def _import_scipy_linalg_first() -> None:
+    """Import scipy.linalg, whole, before jaxlib imports its submodules ``cython_blas`` and ``cython_lapack``.
+
+    jaxlib's initialisers import those submodules directly, taking a submodule's import lock and then needing
+    what scipy.linalg's own import holds: beside a model's ``import scipy.linalg`` on another thread (a meta
+    model's orchestration importing it at its first request) one of the two failed with ``_DeadlockError:
+    deadlock detected by _ModuleLock('scipy.linalg.cython_blas')`` (the thread-safety hunt). Importing the
+    package first waits for the other thread's import to end instead. Without scipy, the initialiser says why.
+    """
+    with contextlib.suppress(ImportError):
+        importlib.import_module("scipy.linalg")
+
+
 def _initialize_cpu_lapack() -> None:
+    _import_scipy_linalg_first()
     from jaxlib import lapack
 
     # prepare_lapack_call ("Initializes the LAPACK library and returns the LAPACK target name") is jaxlib's
@@ -415,6 +429,7 @@ def _initialize_cpu_lapack() -> None:
 
 
 def _initialize_gpu_hybrid_kernels() -> None:
+    _import_scipy_linalg_first()
     from jaxlib import gpu_solver
 
     gpu_solver.initialize_hybrid_kernels()  # a no-op without jax's CUDA plugin
@@ -435,13 +450,15 @@ _host_lapack_errors: dict[str, str | None] = {}
 _host_lapack_lock = threading.Lock()
 
 
-def host_lapack_problem(platform: str, program: bytes) -> str | None:
+def host_lapack_problem(platform: str, program: bytes, model: str) -> str | None:
     """Why ``program`` cannot run on ``platform`` here; None when it can, as far as host LAPACK goes.
 
     Before that, initialises (once per process, whatever the program) the
     kernels through which ``platform``'s programs call LAPACK on the host. When
     that fails, it is a warning for the process and a reason for each program
-    that calls them: run, it would crash the server.
+    that calls them: run, it would crash the server. The first initialisation
+    imports all of scipy.linalg: a first import of a library, made under
+    :data:`nereid.model_hooks.CODE_LOCK` (for ``model``), as every load's are.
     """
     key = "cuda" if platform in _CUDA_PLATFORMS else platform
     kernels = _HOST_LAPACK.get(key)
@@ -449,7 +466,8 @@ def host_lapack_problem(platform: str, program: bytes) -> str | None:
         return None
     with _host_lapack_lock:
         if key not in _host_lapack_errors:
-            _host_lapack_errors[key] = _initialise(kernels, key)
+            with code_lock(model):
+                _host_lapack_errors[key] = _initialise(kernels, key)
         error = _host_lapack_errors[key]
     if error is None:
         return None

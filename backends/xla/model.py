@@ -304,7 +304,7 @@ class XlaModel:
         if donated is not None:
             raise ConfigError(donated)
         # Before compiling: also a cached executable would call the host LAPACK kernels this initialises.
-        problem = host_lapack_problem(target.platform, data) or python_callback_problem(data)
+        problem = host_lapack_problem(target.platform, data, self.context.name) or python_callback_problem(data)
         if problem is not None:
             raise ConfigError(f"{path.name}: {problem}")
         key_fields = CacheKey(file_sha256(data), jaxlib.__version__, target.platform,

@@ -125,3 +125,33 @@ def test_without_lapack_a_program_that_calls_it_does_not_load_and_others_do(tmp_
     assert "scipy.linalg.cython_lapack" in reason and "pip install scipy" in reason, reason
     assert report["plain"] == [[2.0, 2.0, 2.0]]
     assert len(report["warnings"]) == 1 and "could not be initialised" in report["warnings"][0], report["warnings"]
+
+
+# The kernels' first initialisation while another load's first imports hold CODE_LOCK: prints whether
+# scipy.linalg was imported before, while the lock was held, the initialisation's answer, and after.
+INITIALISES_BESIDE_ANOTHER_LOAD_S_IMPORTS = """
+import json, sys, threading
+from nereid.backends.xla.device import host_lapack_problem, import_jax
+from nereid.model_hooks import CODE_LOCK
+
+import_jax("bundle")
+before = "scipy.linalg" in sys.modules
+outcome = []
+with CODE_LOCK:
+    initialising = threading.Thread(target=lambda: outcome.append(host_lapack_problem("cpu", b"", "bundle")))
+    initialising.start()
+    initialising.join(1.0)
+    during = "scipy.linalg" in sys.modules
+initialising.join(60)
+print(json.dumps([before, during, outcome, "scipy.linalg" in sys.modules]))
+"""
+
+
+def test_the_kernels_first_import_of_scipy_takes_its_turn_with_other_loads_first_imports() -> None:
+    """Defect (the thread-safety hunt): the initialisation imported all of scipy.linalg on a bundle's load thread
+    outside CODE_LOCK, beside a meta model's load importing scipy.linalg: one of them could fail with
+    `_DeadlockError: deadlock detected by _ModuleLock('scipy.linalg.cython_blas')`."""
+    run = subprocess.run([sys.executable, "-c", INITIALISES_BESIDE_ANOTHER_LOAD_S_IMPORTS], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout) == [False, False, [None], True]
