@@ -366,7 +366,8 @@ def _folders_from_keys(location: StoreURL, store: Any, prefix: str) -> list[str]
     else:
         raise StorageError(f"{location}: cannot list the model folders: more than {_MAX_UNREADABLE} keys that "
                            f"{_UNREADABLE_HINT}")
-    names.update(n for n in _known_folders.get(str(location), ()) if n not in names
+    # A copy: another thread's listing adds to the set in place (above) while each name here waits on the store.
+    names.update(n for n in tuple(_known_folders.get(str(location), ())) if n not in names
                  and _folder_exists(location, store, f"{prefix}{n}/"))
     return sorted(n for n in names if n and not n.startswith("."))
 

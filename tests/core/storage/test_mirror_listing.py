@@ -194,3 +194,35 @@ def test_ancestor_paths_are_every_folder_above_each_key_at_any_depth() -> None:
 
     assert ancestor_paths(["m/a/b/c/x.txt", "m/main.py", "top"]) == {"m", "m/a", "m/a/b", "m/a/b/c"}
     assert ancestor_paths([]) == set()
+
+
+def test_a_listing_walking_keys_while_another_adds_a_known_folder_goes_on(s3, tmp_path, python_folder, boto,
+                                                                          monkeypatch) -> None:
+    """The thread-safety hunt: a listing that walks every key (a key directly under the URL) looks at each folder
+    seen before, one store call each, iterating the set another thread's listing adds to in place (the watcher's
+    refresh beside a load's scan): "RuntimeError: Set changed size during iteration"."""
+    import threading
+
+    from moto_s3 import BUCKET
+    from nereid.storage import mirror
+
+    source = tmp_path / "source"
+    python_folder(source, "good")
+    upload_folder(s3.store, source, s3.prefix)
+    boto.put_object(Bucket=BUCKET, Key=f"{s3.prefix}//x/main.py", Body=b"bad")  # breaks the listing by folder
+    location = parse_store_url(s3.url())
+    assert mirror.list_remote_folders(location, known=["good", "gone"]) == ["good"]
+    real = mirror._folder_exists
+    beside: list[object] = []
+
+    def another_listing_meanwhile(*args):
+        if not beside:  # (the other listing's own looks go straight to the store)
+            beside.append(None)
+            other = threading.Thread(target=lambda: beside.append(mirror.list_remote_folders(location, ["new"])))
+            other.start()
+            other.join(30)
+        return real(*args)
+
+    monkeypatch.setattr(mirror, "_folder_exists", another_listing_meanwhile)
+    assert mirror.list_remote_folders(location) == ["good"]
+    assert beside == [None, ["good"]]
