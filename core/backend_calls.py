@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from nereid.backend import Model, Terminable
+from nereid.daemon_pool import start_daemon_thread
 from nereid.errors import RaisedExit, calling_plugin, loop_safe_call
 from nereid.model_building import LOAD_CALL
 
@@ -49,7 +49,7 @@ def on_daemon_thread(call: Callable[[], T], thread_name: str,
             # Cancelled after the thread had looked (an unload giving up on a load that had just finished): the
             # result still goes to ``unclaimed``, on a thread of its own, as off the loop as the call was.
             if result is not None and unclaimed is not None:
-                threading.Thread(target=unclaimed, args=(result,), name=thread_name, daemon=True).start()
+                start_daemon_thread(unclaimed, thread_name, result)
             return
         if error is not None:
             future.set_exception(error)
@@ -73,7 +73,7 @@ def on_daemon_thread(call: Callable[[], T], thread_name: str,
         if result is not None and unclaimed is not None:
             unclaimed(result)
 
-    threading.Thread(target=run, name=thread_name, daemon=True).start()
+    start_daemon_thread(run, thread_name)
     return future
 
 
@@ -100,8 +100,7 @@ async def await_build(name: str, building: asyncio.Future, started: float,
                 # Built already, its result delivered, this task not yet resumed: nobody takes the model now,
                 # and what its load() acquired must not leak (a build still running goes to unload_unclaimed
                 # by itself once cancelled).
-                threading.Thread(target=unload_unclaimed, args=(name, building.result()), daemon=True,
-                                 name=f"nereid-load-{name}").start()
+                start_daemon_thread(unload_unclaimed, f"nereid-load-{name}", name, building.result())
             raise
         if done:
             return building.result()

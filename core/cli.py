@@ -26,7 +26,7 @@ import nereid.backend_calls
 from nereid.backend import (CallsModels, ChecksInputs, ModelContext, ReportsRuntime, reported_device,
                             runtime_report_problem, what_it_calls)
 from nereid.backend_calls import bounded_backend_call
-from nereid.daemon_pool import release_server_pools
+from nereid.daemon_pool import ThreadStartFailed, release_server_pools
 from nereid.dependencies import callers_readiness
 from nereid.errors import ConfigError, backend_exit, cap_message, plugin_failures
 from nereid.files import check_confined, warn_if_file_names_not_utf8
@@ -316,6 +316,9 @@ def serve_command(settings: Settings, listeners: Listeners, manager: NereidPlugi
         ended = run_to_the_end(run())
     except OSError as err:
         print(one_record_per_line(f"error: {err}"), file=sys.stderr)
+        return _exit_past_abandoned_threads(1)
+    except ThreadStartFailed as err:  # (one of the server's own threads, as it started: ulimit -v, a pids limit)
+        print(one_record_per_line(f"error: the server could not start: {err}"), file=sys.stderr)
         return _exit_past_abandoned_threads(1)
     finally:
         release_early_stops()  # (when the server never got as far as its handlers: a failed construction)

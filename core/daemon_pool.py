@@ -46,6 +46,21 @@ class ThreadStartFailed(Unavailable, RuntimeError):
         self.cause = cause
 
 
+def start_daemon_thread(target: Callable[..., object], name: str, *args: Any, **kwargs: Any) -> threading.Thread:
+    """Start ``target(*args, **kwargs)`` on a new daemon thread called ``name``; ThreadStartFailed when the process
+    can start no thread, naming the usual causes (see :func:`thread_start_hint`).
+
+    Threads outside the pool (a load's, the server's watchers) failed with a bare ``RuntimeError: can't start new
+    thread``: a load's reason, or a traceback ending ``nereid serve`` as it started (the deploy hunt, under
+    ``ulimit -v``)."""
+    thread = threading.Thread(target=target, name=name, args=args, kwargs=kwargs, daemon=True)
+    try:
+        thread.start()
+    except RuntimeError as err:  # (the interpreter's "can't start new thread": EAGAIN from pthread_create)
+        raise ThreadStartFailed(err) from err
+    return thread
+
+
 def thread_start_hint() -> str:
     """Why a thread cannot start, as a rule: a process or thread limit, or (when the server has one) an address-space
     limit too low for another thread's stack. Under ``ulimit -v`` the limit alone was named, the wrong cause (the

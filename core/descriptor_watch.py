@@ -18,6 +18,8 @@ import resource
 import threading
 from typing import Callable
 
+from nereid.daemon_pool import start_daemon_thread
+
 log = logging.getLogger("nereid.server")
 
 LOOK_EVERY_S = 5.0
@@ -54,8 +56,7 @@ class DescriptorWatch:
 
     def start(self) -> None:
         """Start looking, on a daemon thread of its own."""
-        self._thread = threading.Thread(target=self._watch, name="nereid-descriptor-watch", daemon=True)
-        self._thread.start()
+        self._thread = start_daemon_thread(self._watch, "nereid-descriptor-watch")
 
     def stop(self) -> None:
         """Stop looking (the thread ends within one look)."""

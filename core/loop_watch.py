@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from nereid.collector_pause import collector_paused
+from nereid.daemon_pool import start_daemon_thread
 
 log = logging.getLogger("nereid.loop")
 
@@ -130,8 +131,7 @@ class LoopWatch:
         self._attached = True
         self._last_beat = time.monotonic()
         self._handle = self._loop.call_later(self._interval_s, self._beat)
-        self._thread = threading.Thread(target=self._watch, name="nereid-loop-watch", daemon=True)
-        self._thread.start()
+        self._thread = start_daemon_thread(self._watch, "nereid-loop-watch")
 
     def stop(self) -> None:
         """Stop beating and watching; returns once the thread has ended (at once: it waits on the stop).

@@ -23,6 +23,7 @@ from wsgiref.simple_server import WSGIRequestHandler
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from nereid.daemon_pool import start_daemon_thread
 from nereid.listening import bind_listening_sockets, cannot_listen, host_and_port
 from nereid.log_limit import RateLimitedLog
 
@@ -85,8 +86,7 @@ class MetricsEndpoint:
                 raise cannot_listen(addr, origin, err) from err
         for server in servers:
             # A short poll interval keeps shutdown quick (the default waits up to 0.5 s).
-            threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                             name="nereid-metrics", daemon=True).start()
+            start_daemon_thread(server.serve_forever, "nereid-metrics", poll_interval=0.05)
         self._servers.extend(servers)
         return servers[0].server_port
 

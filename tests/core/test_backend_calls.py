@@ -92,3 +92,37 @@ def test_a_build_done_as_its_load_is_cancelled_is_unloaded_not_leaked():
             await load
     asyncio.run(scenario())
     assert unloaded.wait(5)
+
+
+# A call on a daemon thread where no thread can start: an address-space limit just above what the process maps.
+CALLS_WITHOUT_ROOM_FOR_A_THREAD = """
+import asyncio, resource
+from nereid.backend_calls import on_daemon_thread
+from nereid.daemon_pool import ThreadStartFailed
+
+async def main():
+    size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (size + (4 << 20), resource.RLIM_INFINITY))
+    try:
+        print(await on_daemon_thread(lambda: "ran", "nereid-load-m"))
+    except ThreadStartFailed as failed:
+        print(failed)
+
+asyncio.run(main())
+"""
+
+
+def test_a_call_no_thread_can_start_for_names_the_limits_that_cause_it() -> None:
+    """The deploy hunt: under ulimit -v a model's load (run on a daemon thread of its own) failed with a bare
+    "RuntimeError: can't start new thread", and the server's own watcher threads ended `nereid serve` at its start
+    with that traceback."""
+    import re
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", CALLS_WITHOUT_ROOM_FOR_A_THREAD], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.fullmatch(r"RuntimeError: can't start new thread: a process or thread limit, such as ulimit -u or a "
+                        r"container's pids limit, is reached, or the address-space limit \(ulimit -v, \d+ MiB\) "
+                        r"leaves no room for another thread's stack\n", done.stdout), done.stdout
