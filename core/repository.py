@@ -42,6 +42,7 @@ from nereid.stats import ModelStats
 from nereid.store_retries import StartupListing
 from nereid.storage import (StorageError, failure_kind, forget_listed_folder, mirror_leftovers, model_folder_exists,
                             scan_model_folders, store_failed, store_holds_folder, store_unreachable)
+from nereid.task_sets import until_all_done
 from nereid.version_loader import VersionLoader, discard_version
 
 log = logging.getLogger(__name__)
@@ -1247,8 +1248,7 @@ class ModelRepository:
         for task in list(self._accepted):
             task.cancel()
         await asyncio.gather(*self._accepted, return_exceptions=True)
-        while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await until_all_done(self._background)
         # Callers first, layer by layer: a meta model unloaded after what it calls would first turn
         # UNAVAILABLE ("dependency 'b' is not ready (UNLOADING)"), a WARNING on every clean shutdown.
         remaining = {e.name for e in self.entries() if e.loaded is not None}

@@ -31,6 +31,7 @@ from nereid.protocol.grpc_codec import (decode_infer_request, mark_final, parse_
                                         serialize_infer_response)
 from nereid.protocol.wire import DECODE_OFF_LOOP_BYTES
 from nereid.stats import ModelStats
+from nereid.task_sets import until_all_done
 from nereid.tensors import InferResponse
 
 log = logging.getLogger(__name__)
@@ -616,8 +617,7 @@ class InferenceServicer:
                                         "accepted request(s)", peer(context.peer()),
                                         cap_message(f"{type(err).__name__}: {err}", 256), len(pending))
             try:
-                while pending:
-                    await asyncio.gather(*list(pending), return_exceptions=True)
+                await until_all_done(pending)
             finally:
                 # However reading ends, the response side must end too rather than wait forever.
                 answers.put_nowait(None)
