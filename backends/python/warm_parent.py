@@ -403,11 +403,34 @@ def _calls_a_removal(code: types.CodeType, names: dict[str, object], bound: _OsB
     """Whether ``code``, or a function defined in it, names one of :data:`REMOVING_NAMES` or loads ``os``'s
     ``remove`` (``names``: the function's globals; ``bound``: its locals and cells known to hold os or its
     removers, to which the code's own imports are added)."""
-    instructions = list(dis.get_instructions(code))  # (read once: both looks below go over them)
+    instructions = _plain_instructions(code)  # (read once: both looks below go over them)
     bound = bound.with_imports_of(instructions)
     if REMOVING_NAMES.intersection(code.co_names) or _loads_os_remove(instructions, names, bound):
         return True
     return any(_calls_a_removal(const, names, bound) for const in code.co_consts if isinstance(const, types.CodeType))
+
+
+def _plain_instructions(code: types.CodeType) -> list[dis.Instruction]:
+    """``code``'s instructions as :func:`_plain_instruction_list` makes them."""
+    return _plain_instruction_list(dis.get_instructions(code))
+
+
+def _plain_instruction_list(instructions: collections.abc.Iterable[dis.Instruction]) -> list[dis.Instruction]:
+    """``instructions`` with the fast-local variants of 3.12 and 3.13 as 3.11's LOAD_FAST and STORE_FAST, which
+    the looks for os.remove read: LOAD_FAST_CHECK and LOAD_FAST_AND_CLEAR as LOAD_FAST, a pair
+    (LOAD_FAST_LOAD_FAST ('a', 'b'), STORE_FAST_LOAD_FAST, STORE_FAST_STORE_FAST) as its two (the 3.12/3.13
+    hunt: an exit function holding os.remove in a local went unrecognised there)."""
+    plain = []
+    for instruction in instructions:
+        parts = instruction.opname.split("_FAST_")
+        if len(parts) == 2 and parts[1] in ("LOAD_FAST", "STORE_FAST") and isinstance(instruction.argval, tuple):
+            plain.append(instruction._replace(opname=parts[0] + "_FAST", argval=instruction.argval[0]))
+            plain.append(instruction._replace(opname=parts[1], argval=instruction.argval[1]))
+        elif instruction.opname.startswith("LOAD_FAST"):
+            plain.append(instruction._replace(opname="LOAD_FAST"))
+        else:
+            plain.append(instruction)
+    return plain
 
 
 def _loads_os_remove(instructions: list[dis.Instruction], names: dict[str, object], bound: _OsBindings) -> bool:
@@ -1488,7 +1511,10 @@ def _flush_std_files() -> bool:
         except BaseException as err:  # noqa: BLE001 - any failure, KeyboardInterrupt and SystemExit too
             flushed = False
             if name == "stdout":
-                _write_unraisable(_from_caller(err), stream)
+                if sys.version_info >= (3, 13):  # (Python/pylifecycle.c: flush_std_files says which stream)
+                    _write_unraisable(_from_caller(err), None, "Exception ignored on flushing sys.stdout")
+                else:
+                    _write_unraisable(_from_caller(err), stream)
     return flushed
 
 
@@ -1507,18 +1533,18 @@ def _is_closed(stream: object) -> bool:
         return False
 
 
-def _write_unraisable(err: BaseException, obj: object) -> None:
+def _write_unraisable(err: BaseException, obj: object, err_msg: str | None = None) -> None:
     """Report ``err`` as the interpreter reports an exception it cannot raise: through main.py's own
     ``sys.unraisablehook`` if it set one, else as the default hook prints it."""
     hook = getattr(sys, "unraisablehook", None)
     if hook is not None and hook is not sys.__unraisablehook__:
         try:
-            hook(_unraisable_hook_args(err, obj))
+            hook(_unraisable_hook_args(err, obj, err_msg))
             return
         except BaseException as hook_err:  # noqa: BLE001 - CPython reports the hook's own failure
             err, obj, message = _from_caller(hook_err), hook, "Exception ignored in sys.unraisablehook"
     else:
-        message = "Exception ignored in"
+        message = err_msg
     file = getattr(sys, "stderr", None)
     if file is None:
         return
@@ -1529,7 +1555,10 @@ def _write_unraisable(err: BaseException, obj: object) -> None:
             shown = repr(obj)
         except BaseException:  # noqa: BLE001 - as the default hook words it
             shown = "<object repr() failed>"
-        file.write(f"{message}: {shown}\n")
+        if obj is not None:
+            file.write(f"{message or 'Exception ignored in'}: {shown}\n")
+        elif message:
+            file.write(f"{message}:\n")
         if err.__traceback__ is not None:
             file.write("Traceback (most recent call last):\n")
             traceback.print_tb(err.__traceback__, file=file)
@@ -1547,7 +1576,7 @@ def _write_unraisable(err: BaseException, obj: object) -> None:
         pass
 
 
-def _unraisable_hook_args(err: BaseException, obj: object) -> object:
+def _unraisable_hook_args(err: BaseException, obj: object, err_msg: str | None = None) -> object:
     """A ``sys.UnraisableHookArgs`` for ``err`` and ``obj``: of the interpreter's own type, which
     ``sys.__unraisablehook__`` requires (a hook of main.py's may hand it on). The type is not exposed:
     it is taken from an unraisable exception the interpreter reports itself."""
@@ -1562,7 +1591,7 @@ def _unraisable_hook_args(err: BaseException, obj: object) -> object:
         Unraisable()  # its __del__'s exception: reported to the hook as the object is released
     finally:
         sys.unraisablehook = hook
-    return type(caught[0])((type(err), err, err.__traceback__, None, obj))  # type: ignore[call-arg]
+    return type(caught[0])((type(err), err, err.__traceback__, err_msg, obj))  # type: ignore[call-arg]
 
 
 def working_directory_identity() -> tuple[int, int] | None:
@@ -1800,6 +1829,9 @@ def _exit_code(exit_request: SystemExit) -> int:
         return 0
     if isinstance(value, int):
         if not -(1 << (_LONG_BITS - 1)) <= value < 1 << (_LONG_BITS - 1):
+            if sys.version_info >= (3, 12):  # PyLong_AsLong's OverflowError is left set, reported at the finalization
+                _write_unraisable(OverflowError("Python int too large to convert to C long"), None,
+                                  "Exception ignored on threading shutdown" if sys.version_info >= (3, 13) else None)
             return 255
         return value & 0xFF
     stderr = getattr(sys, "stderr", None)

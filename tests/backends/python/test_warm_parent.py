@@ -306,3 +306,24 @@ def test_a_parent_that_cannot_be_restarted_at_a_server_limit_fails_its_batch_una
         "model 'm': the server could not start a run (EAGAIN: Resource temporarily unavailable")
     other = parent._blocked_failure(WarmParentBlocked("cannot prepare its folder /x: read-only file system"))
     assert type(other) is ModelFailure
+
+
+def test_the_fast_local_instructions_of_later_pythons_are_read_as_3_11_s() -> None:
+    """The 3.12/3.13 hunt: an exit function holding os.remove in a local was not recognised as removing files on
+    3.12 (LOAD_FAST_CHECK, for a local that may be unbound) nor on 3.13 (LOAD_FAST_LOAD_FAST ('rm', 'p'), two
+    loads in one instruction), so a preloaded library's exit removed files at the first warm run's end. Those
+    instructions are made here from 3.11's, as the later versions emit them."""
+    import dis
+
+    def remove_later(rm, p):
+        rm(p)
+
+    loads = [i for i in dis.get_instructions(remove_later.__code__) if i.opname == "LOAD_FAST"]
+    first, second = loads[:2]
+    later = [first._replace(opname="LOAD_FAST_LOAD_FAST", argval=("rm", "p")),
+             second._replace(opname="LOAD_FAST_CHECK"), second._replace(opname="LOAD_FAST_AND_CLEAR"),
+             first._replace(opname="STORE_FAST_LOAD_FAST", argval=("x", "rm")),
+             first._replace(opname="STORE_FAST_STORE_FAST", argval=("x", "y"))]
+    plain = [(i.opname, i.argval) for i in warm_parent._plain_instruction_list(later)]
+    assert plain == [("LOAD_FAST", "rm"), ("LOAD_FAST", "p"), ("LOAD_FAST", "p"), ("LOAD_FAST", "p"),
+                     ("STORE_FAST", "x"), ("LOAD_FAST", "rm"), ("STORE_FAST", "x"), ("STORE_FAST", "y")]
