@@ -195,13 +195,19 @@ def _link_target(link: Path) -> Path | None:
     """Where the symlink ``link`` leads (resolved, as far as it exists); None for a loop (Python 3.11 raises
     RuntimeError for one, later versions OSError ELOOP)."""
     try:
-        return link.resolve()
+        target = link.resolve()
     except RuntimeError:
         return None
     except OSError as err:
         if err.errno == errno.ELOOP:
             return None
         raise
+    try:  # 3.13's non-strict resolve() no longer stat()s the result, so a loop comes back as the link itself
+        target.stat()
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return None
+    return target
 
 
 def _refuse_unlisted_reachable(error: OSError, config_name: str) -> None:

@@ -146,7 +146,7 @@ class NereidPluginManager(pluggy.PluginManager):
         try:
             # (A dist-info without METADATA has no name: described as such, never a crash of every command; nor
             # is one whose METADATA is no UTF-8: the CLI read hunt.)
-            named = dist.metadata["Name"] or "(no name)"
+            named = dist.metadata.get("Name") or "(no name)"  # (["Name"] of a missing key: deprecated in 3.12)
             version = dist.version
         except Exception:  # noqa: BLE001 - described without them
             named, version = "(unreadable metadata)", "?"

@@ -59,6 +59,8 @@ def make_ca(folder: Path, name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.C
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=365))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256()))
     path = folder / f"{name}.pem"
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -75,6 +77,7 @@ def make_leaf(folder: Path, name: str, ca_key, ca_cert: x509.Certificate) -> tup
             .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                            critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
     cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -668,6 +671,8 @@ def test_a_store_whose_certificate_is_refused_is_said_why(pki, monkeypatch, case
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(now - datetime.timedelta(days=30)).not_valid_after(now - datetime.timedelta(days=1))
                 .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                               critical=False)
+                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(pki["ca_key"].public_key()),
                                critical=False)
                 .sign(pki["ca_key"], hashes.SHA256()))
         (pki["folder"] / "old.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))

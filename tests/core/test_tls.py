@@ -58,6 +58,9 @@ class Issuer:
                      .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
                      .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False, False),
                                     critical=True)
+                     .add_extension(x509.SubjectKeyIdentifier.from_public_key(self.key.public_key()), critical=False)
+                     .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.key.public_key()),
+                                    critical=False)
                      .sign(signer.key, hashes.SHA256()))
         self.pem = self.cert.public_bytes(serialization.Encoding.PEM)
         self.path = folder / f"{name}.pem"
@@ -78,6 +81,8 @@ class Issuer:
                 .not_valid_after(valid_to or NOW + datetime.timedelta(days=365))
                 .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
                                                             x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                               critical=False)
+                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
                                critical=False)
                 .sign(self.key, hashes.SHA256()))
         cert_path, key_path = self.folder / f"{name}.crt", self.folder / f"{name}.key"
@@ -199,6 +204,20 @@ def test_a_client_ca_of_only_an_intermediate_lets_its_clients_in_on_both_listene
             assert not https_ok(https, root.path, rogue)
             assert not grpc_ok(grpc_port, root.path, rogue)
             assert not https_ok(https, root.path)  # no certificate at all
+
+
+def test_https_checks_client_certificates_as_grpc_does_whatever_python_s_defaults(folder) -> None:
+    """The 3.12/3.13 hunt: Python 3.13's default context adds VERIFY_X509_STRICT, which refused over HTTPS a client
+    certificate without an Authority Key Identifier that gRPC let in (and 3.11 and 3.12 did). The flags a server
+    context verifies with are the same on every Python."""
+    import ssl
+
+    from nereid.tls import _http_context
+
+    root = Issuer(folder, "root")
+    cert, key = root.leaf("server")
+    flags = _http_context(TlsSettings(cert, key, root.path)).verify_flags
+    assert flags & ssl.VERIFY_X509_PARTIAL_CHAIN and not flags & ssl.VERIFY_X509_STRICT, flags
 
 
 def test_a_client_refused_at_the_https_handshake_is_logged_with_the_reason(folder, caplog):

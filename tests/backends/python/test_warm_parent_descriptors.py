@@ -130,7 +130,7 @@ def _wait_for_state(pid: int, states: str) -> None:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # (ESRCH: reaped between the open and the read)
             state = "X"
         if state in states:
             return
