@@ -378,7 +378,11 @@ def check_executions(scenario: Scenario, backend: Backend) -> None:
             assert len(execution.ids) == 1
         elif len(execution.ids) > 1:
             assert execution.rows <= policy.max_rows
-        assert execution.start_ns <= scenario.drain_returned_ns, "an execution started after drain returned"
+        # A drain that gave up returns with calls still handed to the pool: a thread that took one as it returned
+        # starts it a moment later (the pool's race, see check_stats; seen under load on Python 3.13, an execution
+        # begun 9 ms after a 1 ms grace gave up). One that finished has nothing left to start.
+        if scenario.drain_finished is not False:
+            assert execution.start_ns <= scenario.drain_returned_ns, "an execution started after drain returned"
         if scenario.drain_finished:
             assert execution.end_ns and execution.end_ns <= scenario.drain_returned_ns, \
                 "drain said everything finished while an execution still ran"
