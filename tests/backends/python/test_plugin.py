@@ -978,7 +978,8 @@ def test_a_parent_alive_but_not_answering_fails_the_batch_once_without_resending
         pytest.skip("about warm parents")
     from nereid.backends.python import warm
 
-    monkeypatch.setattr(warm, "REPLY_TIMEOUT_S", 1.0)
+    # (3 s: a new parent's start on a loaded CI machine stays well apart from a wait that long)
+    monkeypatch.setattr(warm, "REPLY_TIMEOUT_S", 3.0)
     monkeypatch.setattr(warm, "STOP_GRACE_S", 0.5)
     repo.python("echo5")
     server = serve(repo.write_config())
@@ -988,15 +989,15 @@ def test_a_parent_alive_but_not_answering_fails_the_batch_once_without_resending
     try:
         started = time.monotonic()
         # Said as it is, after the reply timeout alone: the batch was not run, and it is not sent again.
-        with pytest.raises(InferenceServerException, match=r"did not answer within 1 s; the batch was not run; "
+        with pytest.raises(InferenceServerException, match=r"did not answer within 3 s; the batch was not run; "
                                                            r"the parent was killed, and the next batch starts a "
                                                            r"new one"):
             infer(server, "echo5", FOUR)
-        assert time.monotonic() - started < 1.8  # one reply timeout: no second one, and no exit grace
+        assert time.monotonic() - started < 5.5  # one reply timeout: no second one (6 s), and no exit grace
         # Defect: the next batches waited out the same stopped parent, each failing after the reply timeout.
         started = time.monotonic()
         assert infer(server, "echo5", FOUR).as_numpy("output").tolist() == FOUR.tolist()
-        assert backend._parent.pid != stopped and time.monotonic() - started < 1.0
+        assert backend._parent.pid != stopped and time.monotonic() - started < 3.0
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stopped, signal.SIGKILL)
