@@ -830,7 +830,7 @@ def test_an_edit_of_nereid_yaml_is_checked_off_the_event_loop(tmp_path, root, mo
     def slow_check(settings) -> None:
         if repository._settings_checked is not settings:  # (the hooks run: once per settings)
             threads.append(threading.current_thread())
-            time.sleep(0.6)  # (a plugin's hook taking its time)
+            time.sleep(1.5)  # (a plugin's hook taking its time: longer than a loaded machine's stalls)
         checked(settings)
 
     async def scenario() -> None:
@@ -851,7 +851,7 @@ def test_an_edit_of_nereid_yaml_is_checked_off_the_event_loop(tmp_path, root, mo
         ticking = False
         await ticker
         assert repository.settings.model("a").queue_capacity == 5
-        assert max(gaps) < 0.4, f"the event loop was held {max(gaps):.2f} s"
+        assert max(gaps) < 1.2, f"the event loop was held {max(gaps):.2f} s"
         # On a daemon thread: one held by a hook that never returns kept a stopped server from exiting (asyncio's
         # threads are joined at exit; the hunt of this fix).
         assert threads and all(thread.daemon for thread in threads), threads
