@@ -108,7 +108,7 @@ def test_a_request_already_out_of_time_is_refused_before_its_preprocess_hook(dea
         with pytest.raises(DeadlineExceeded, match=r"^model 'm': deadline passed \d+\.\d ms before the request "
                                                    r"could start; it was not run$"):
             await run(rows(1), 1, in_ms(deadline_ms))
-        assert time.monotonic() - start < 0.1
+        assert time.monotonic() - start < 2.0  # (not after the 10 s hook: room for a loaded machine's stalls)
         assert backend.hooks_begun == [] and backend.programs_run == []  # none of the model's code ran
         assert (await run(rows(3), 1, in_ms(5000)))[0].data.tolist() == [[6, 6]]
     scenario(body)
@@ -120,7 +120,7 @@ def test_a_deadline_passing_while_the_preprocess_hook_runs_is_answered_then_and_
         with pytest.raises(DeadlineExceeded) as caught:
             await run(rows(1), 1, in_ms(200))
         answered = time.monotonic() - start
-        assert 0.19 < answered < 0.5, answered  # at the deadline, not when the hook returns (10 s)
+        assert 0.19 < answered < 3.0, answered  # at the deadline, not when the hook returns (10 s)
         assert str(caught.value).startswith("model 'm': deadline passed while the request's preprocess hook ran "
                                             "(for "), caught.value
         assert str(caught.value).endswith(" ms so far); the program was not run, and the hook runs on with its "
@@ -224,12 +224,12 @@ def test_a_served_request_out_of_time_before_or_during_its_hook_is_answered_on_t
     start = time.monotonic()
     expect_grpc_error("DEADLINE_EXCEEDED", lambda: server.client.infer("slow_hook", pixels(7), timeout=1),  # 1 µs
                       "model 'slow_hook': deadline passed ", " before the request could start; it was not run")
-    assert time.monotonic() - start < 0.5 and not (bundle / "begun").exists()  # the hook never ran
+    assert time.monotonic() - start < 3.0 and not (bundle / "begun").exists()  # the hook never ran
     start = time.monotonic()
     expect_grpc_error("DEADLINE_EXCEEDED", lambda: server.client.infer("slow_hook", pixels(7), timeout=300_000),
                       "model 'slow_hook': deadline passed while the request's preprocess hook ran (for ",
                       "the program was not run")
-    assert 0.29 < time.monotonic() - start < 1.0  # not when the hook returned (10 s)
+    assert 0.29 < time.monotonic() - start < 5.0  # not when the hook returned (10 s)
     assert (bundle / "begun").exists()
     (bundle / "release").write_text("")
     assert server.client.infer("slow_hook", pixels(1), timeout=30_000_000).as_numpy("output").shape == (1, 4)
