@@ -567,7 +567,7 @@ def test_a_nereid_yaml_seen_half_written_is_not_applied(repo, serve, caplog):
     write_model(repo.models_dir / "first", "1")
     write_model(repo.models_dir / "second", "1")
     config = repo.write_config("- name: first\n- name: second\n",
-                               server_extra="  watch: true\n  watch_settle_ms: 400\n")
+                               server_extra="  watch: true\n  watch_settle_ms: 1500\n")  # (room for stalls)
     server = serve(config)
     text = config.read_text()
     edited = text.replace("  - name: second\n", "  - name: second\n    queue_capacity: 7\n")
