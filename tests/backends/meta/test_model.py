@@ -123,16 +123,20 @@ nereid.register_model(orchestrate=orchestrate)
     "threaded": '''
 import concurrent.futures
 import time
+from pathlib import Path
 import numpy as np
 import nereid
 from nereid.tensors import NamedTensor
 
 POOL = concurrent.futures.ThreadPoolExecutor(2)
+STARTED = Path(__file__).parent.parent / "slow" / "started.txt"  # (the counting model's starts)
 
 def orchestrate(inputs, ctx):
     wrong = [NamedTensor.from_array("input", np.zeros(3, np.float32))]
     first, second = POOL.submit(ctx.infer, "slow", inputs), POOL.submit(ctx.infer, "slow", inputs)
-    time.sleep(0.3)  # both issued: one runs, one waits in the model's queue
+    deadline = time.monotonic() + 30
+    while not STARTED.exists() and time.monotonic() < deadline:  # both issued: one runs, one waits in the queue
+        time.sleep(0.01)
     ctx.infer("slow", wrong)
     return [first.result()[0]]
 
