@@ -978,7 +978,7 @@ def test_a_plain_def_orchestration_whose_client_left_drops_its_sub_call_and_a_wa
         repo, serve) -> None:
     """Defects: the sub-call a thread waited on ran though its client had gone; and a request waiting for a
     thread still busy with an abandoned orchestration started long past its deadline."""
-    step = add_counting(repo, "step", 0.4)
+    step = add_counting(repo, "step", 1.0)
     meta = add_meta(repo, "hold", HOLD_THEN_STEP, ["step"])
     # queue_capacity 1: one orchestration thread.
     client = serve(repo.write_config("- name: hold\n  queue_capacity: 1\n- name: step\n")).client
@@ -988,15 +988,18 @@ def test_a_plain_def_orchestration_whose_client_left_drops_its_sub_call_and_a_wa
         tensor.set_data_from_numpy(array.astype(np.float32))
         return client.async_infer(model, [tensor], lambda result, error: None)
 
-    send("step", X)  # holds step for 0.4 s
-    time.sleep(0.1)
+    # (Each step waited for, not slept over: the flaky-test hunt.)
+    send("step", X)  # holds step for 1 s
+    assert wait_until(lambda: calls(step, "started.txt") == 1)
     leaving = send("hold", np.zeros(4))  # its sub-call queues behind it
-    time.sleep(0.15)
+    assert wait_until(lambda: calls(meta, "started.txt") == 1)
+    time.sleep(0.15)  # (its sub-call issued)
     leaving.cancel()
-    time.sleep(0.6)
-    assert calls(step) == 1, "the queued sub-call of a request whose client left was run"
+    assert wait_until(lambda: calls(step) == 1)  # the running one ended
+    time.sleep(0.5)  # what the queued one, had it been kept, needed to start
+    assert calls(step, "started.txt") == 1, "the queued sub-call of a request whose client left was run"
     holding = send("hold", np.array([0.8, 0, 0, 0]))  # keeps the only thread 0.8 s
-    time.sleep(0.1)
+    assert wait_until(lambda: calls(meta, "started.txt") == 2)
     holding.cancel()  # the model's slot is free again; its thread is not
     expect_grpc_error("DEADLINE_EXCEEDED", lambda: infer(client, "hold", np.zeros(4, np.float32), client_timeout=0.2))
     time.sleep(0.9)
