@@ -403,19 +403,14 @@ def _calls_a_removal(code: types.CodeType, names: dict[str, object], bound: _OsB
     """Whether ``code``, or a function defined in it, names one of :data:`REMOVING_NAMES` or loads ``os``'s
     ``remove`` (``names``: the function's globals; ``bound``: its locals and cells known to hold os or its
     removers, to which the code's own imports are added)."""
-    instructions = _plain_instructions(code)  # (read once: both looks below go over them)
+    instructions = _plain_instructions(dis.get_instructions(code))  # (read once: both looks below go over them)
     bound = bound.with_imports_of(instructions)
     if REMOVING_NAMES.intersection(code.co_names) or _loads_os_remove(instructions, names, bound):
         return True
     return any(_calls_a_removal(const, names, bound) for const in code.co_consts if isinstance(const, types.CodeType))
 
 
-def _plain_instructions(code: types.CodeType) -> list[dis.Instruction]:
-    """``code``'s instructions as :func:`_plain_instruction_list` makes them."""
-    return _plain_instruction_list(dis.get_instructions(code))
-
-
-def _plain_instruction_list(instructions: collections.abc.Iterable[dis.Instruction]) -> list[dis.Instruction]:
+def _plain_instructions(instructions: collections.abc.Iterable[dis.Instruction]) -> list[dis.Instruction]:
     """``instructions`` with the fast-local variants of 3.12 and 3.13 as 3.11's LOAD_FAST and STORE_FAST, which
     the looks for os.remove read: LOAD_FAST_CHECK and LOAD_FAST_AND_CLEAR as LOAD_FAST, a pair
     (LOAD_FAST_LOAD_FAST ('a', 'b'), STORE_FAST_LOAD_FAST, STORE_FAST_STORE_FAST) as its two (the 3.12/3.13

@@ -324,6 +324,6 @@ def test_the_fast_local_instructions_of_later_pythons_are_read_as_3_11_s() -> No
              second._replace(opname="LOAD_FAST_CHECK"), second._replace(opname="LOAD_FAST_AND_CLEAR"),
              first._replace(opname="STORE_FAST_LOAD_FAST", argval=("x", "rm")),
              first._replace(opname="STORE_FAST_STORE_FAST", argval=("x", "y"))]
-    plain = [(i.opname, i.argval) for i in warm_parent._plain_instruction_list(later)]
+    plain = [(i.opname, i.argval) for i in warm_parent._plain_instructions(later)]
     assert plain == [("LOAD_FAST", "rm"), ("LOAD_FAST", "p"), ("LOAD_FAST", "p"), ("LOAD_FAST", "p"),
                      ("STORE_FAST", "x"), ("LOAD_FAST", "rm"), ("STORE_FAST", "x"), ("STORE_FAST", "y")]
