@@ -27,6 +27,7 @@ import tritonclient.grpc as triton
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+from nereid.cli import LEFT_TASKS_WAIT_S
 from nereid.collector_pause import collector_paused
 from nereid.server import NereidServer
 from nereid.settings import load_settings
@@ -142,9 +143,22 @@ class RunningServer:
     def stop(self) -> None:
         self.client.close()
         self.call(self.server.stop(grace_s=5))
+        self.call(_left_tasks_end())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+async def _left_tasks_end() -> None:
+    """Cancel what still runs on the loop of a stopped server and give it LEFT_TASKS_WAIT_S to end, as `nereid
+    serve`'s run_to_the_end does. A model's coroutine that swallowed its cancellation, which its test let go before
+    this teardown, was left pending on a closed loop and destroyed later, in whichever test collected it: an ERROR
+    ("Task was destroyed but it is pending!") that test counted (tests/core/test_watch_properties.py in CI)."""
+    left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in left:
+        task.cancel()
+    if left:
+        await asyncio.wait(left, timeout=LEFT_TASKS_WAIT_S)
 
 
 def zombie_children() -> list[int]:

@@ -536,7 +536,8 @@ import nereid
 
 async def orchestrate(inputs, ctx):
     ends = time.monotonic() + 30
-    while time.monotonic() < ends and not os.path.exists(os.environ.get("NEREID_TEST_RELEASE", "")):
+    release = os.environ.get("NEREID_TEST_RELEASE", "")  # (read once: the test's environment is undone first)
+    while time.monotonic() < ends and not os.path.exists(release):
         try:  # every cancellation swallowed, until the test releases it (30 s at most)
             await asyncio.sleep(0.05)
         except asyncio.CancelledError:
