@@ -200,6 +200,11 @@ def _decode_infer_request(msg: pb.ModelInferRequest, time_remaining_s: float | N
         # model does not declare): thousands of tiny inputs cost a NamedTensor each first (the gRPC read hunt).
         check_input_names(model, [tensor.name for tensor in tensors], list(declared))
     if raws and len(raws) != len(tensors):
+        # tritonclient sends no raw contents for an input in a shared-memory region: a mix of the two came here
+        # first, and the client was told to fix its raw contents (the protocol-parity hunt).
+        for tensor in tensors:
+            if SHARED_MEMORY_PARAMETER in tensor.parameters:
+                raise refuse_shared_memory(f"model '{model}': input '{tensor.name}'")
         raise InvalidArgument(
             f"model '{model}': {len(raws)} raw_input_contents for {len(tensors)} "
             "inputs; send raw contents for every input or for none")

@@ -663,6 +663,24 @@ def test_shared_memory_tensors_and_bad_classification_counts_are_refused_directl
         decode_infer_request(negative, None)
 
 
+def test_an_input_in_shared_memory_beside_one_sent_in_the_request_is_refused_for_the_shared_memory():
+    """The protocol-parity hunt: tritonclient sends no raw contents for an input in a shared-memory region, and the
+    mix was refused for its count of raw contents, where HTTP named the region (as an all-shared request does)."""
+    from tritonclient.grpc import _utils as grpc_utils
+
+    sent = triton_input("a", np.ones(4, np.float32), "FP32")
+    placed = triton.InferInput("b", [4], "FP32")
+    placed.set_shared_memory("input_region", 16)
+    request = grpc_utils._get_inference_request(model_name="m", inputs=[sent, placed], model_version="",
+                                                request_id="", outputs=None, sequence_id=0, sequence_start=False,
+                                                sequence_end=False, priority=0, timeout=None, parameters=None)
+    assert len(request.raw_input_contents) == 1  # (what the client sends: the mix this is about)
+    with pytest.raises(InvalidArgument, match=re.escape(
+            "model 'm': input 'b': names a shared-memory region, but nereid does not support Triton's "
+            "shared-memory extensions")):
+        decode_infer_request(request, None)
+
+
 @pytest.mark.parametrize(("field", "value", "shown"), [
     ("string_param", "3", "string_param '3'"),
     ("double_param", 3.0, "double_param 3.0"),
