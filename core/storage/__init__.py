@@ -19,6 +19,7 @@ copies of folders gone from the store are removed
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -124,11 +125,27 @@ def _mark_mirror(root: Path) -> None:
     if root in _marked_mirrors:
         return
     try:
-        root.parent.mkdir(parents=True, exist_ok=True)
+        _make_repositories_folder(root)
         _in_use_mark(root).touch()
     except OSError:
         return
     _marked_mirrors.add(root)
+
+
+def _make_repositories_folder(root: Path) -> None:
+    """Make ``<cache_dir>/repositories``, the folder of the mirror ``root``, mode 0700 when it is not there yet.
+
+    The files fetched from a bucket (a model's code, its configuration, its
+    weights) are in it, and under the usual umask 022 they were readable by
+    every user of the machine, where the bucket let only the server read them
+    (the path-safety hunt). One there already keeps its mode: the operator's
+    choice (servers of several users in one group sharing the cache). OSError
+    when it cannot be made.
+    """
+    repositories = root.parent
+    repositories.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        repositories.mkdir(mode=0o700)
 
 
 def _in_use_mark(root: Path) -> Path:
@@ -343,6 +360,7 @@ def materialize_model_folder(server: ServerSettings, name: str, streams: Streame
     folder = Path(server.ml_backends_path) / name
     if location is None:
         return folder
+    _try_to_make_repositories_folder(folder.parent)
     materialize(location, name, folder, streams)
     return folder
 
@@ -355,7 +373,15 @@ def materialize_model_version(server: ServerSettings, name: str,
     location = _location(server)
     if location is None:
         return None
+    _try_to_make_repositories_folder(Path(server.ml_backends_path))
     return materialize_version(location, name, Path(server.ml_backends_path) / name, streams)
+
+
+def _try_to_make_repositories_folder(root: Path) -> None:
+    """:func:`_make_repositories_folder` before a fetch (a load may come before any listing); a cache that refuses
+    it is left alone: the fetch's own writes fail naming what they could not write."""
+    with contextlib.suppress(OSError):
+        _make_repositories_folder(root)
 
 
 def _list_remote(location: StoreURL, root: Path) -> list[str]:

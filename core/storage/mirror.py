@@ -861,10 +861,15 @@ def make_mirror_folder(location: StoreURL, root: Path, name: str) -> None:
 def _remove_stray_file(folder: Path, url: str, what: str = "the model's folder",
                        then: str = "the folder is fetched again") -> None:
     """Remove what is at ``folder``, a model's mirror folder (or another folder of nereid's own in it, ``what``),
-    unless it is a folder (or a link to one): the cache is nereid's, and nereid never makes a file there, so it is
-    a damaged cache's, which would fail every load (logged, saying ``then``). Called under the folder's lock."""
-    if os.path.lexists(folder) and not folder.is_dir():
-        kind = _kind_of(folder).replace("a symlink", "a symlink to no folder")
+    unless it is a folder: the cache is nereid's, and nereid never makes a file or a symlink there, so it is a
+    damaged cache's, which would fail every load (logged, saying ``then``). Called under the folder's lock.
+
+    A symlink is removed whatever it leads to: one to a folder elsewhere had
+    the model's files fetched into that folder, and the sweep of stale files
+    and versions delete every other file there (the path-safety hunt).
+    """
+    if os.path.lexists(folder) and not _is_folder(folder):
+        kind = _kind_of(folder)
         folder.unlink()
         log.warning("%s: removed %s from the local cache: %s where %s belongs (a damaged cache?); %s", url, folder,
                     kind, what, then)
@@ -912,7 +917,7 @@ def _folder_lock(path: Path, wait: bool = True, url: str | None = None) -> Itera
     which the next comer (making a new file) would not see, so the lock is
     taken again until the file locked is the one at ``path``. Taken through a
     read-write descriptor (on NFS flock is a POSIX lock, whose exclusive kind
-    needs one). A folder or a symlink loop at ``path`` (a damaged cache,
+    needs one). A folder or a symlink at ``path`` (a damaged cache,
     which nobody can lock either) is removed first, logged naming ``url``
     (the folder's URL) when given. A wait for a lock another process holds
     is logged once if it lasts past QUIET_LOCK_WAIT_S, naming that process
@@ -925,7 +930,8 @@ def _folder_lock(path: Path, wait: bool = True, url: str | None = None) -> Itera
     warned = False
     while True:
         try:
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            # (Not through a symlink, which would make or lock a file wherever it leads: ELOOP, removed below.)
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
         except OSError as err:
             # Any other refusal (a full disk; a symlink into a folder not there, a mount not made yet?) is raised.
             if err.errno not in (errno.EISDIR, errno.ELOOP) or not clearings:
@@ -1007,7 +1013,7 @@ def _lock_holder(locked: os.stat_result) -> int | None:
 
 
 def _remove_stray_lock(path: Path, url: str | None) -> None:
-    """Remove what is at ``path``, a folder's lock file that cannot be opened (a folder, a symlink loop), unless it
+    """Remove what is at ``path``, a folder's lock file that cannot be opened (a folder, a symlink), unless it
     is a regular file (or nothing) by now: a folder there failed every load of the model ('cannot make its lock
     file ...: Is a directory'; the bug hunt of persistent caches). Nobody holds a lock on what cannot be opened,
     so it goes without one; a server sharing the cache that removes it at the same time only makes the same

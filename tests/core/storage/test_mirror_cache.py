@@ -387,9 +387,13 @@ def _release(hold) -> None:
 
 
 @pytest.mark.parametrize("name, damage, kind", [
-    (".nereid-versions", "file", "a file"), (".nereid-versions", "loop", "a symlink to no folder"),
-    (".cache", "file", "a file"), (".cache", "loop", "a symlink to no folder"),
-    ("../.m.lock", "folder", "a folder"), ("../.m.lock", "loop", "a symlink")])
+    (".nereid-versions", "file", "a file"), (".nereid-versions", "loop", "a symlink"),
+    (".cache", "file", "a file"), (".cache", "loop", "a symlink"),
+    ("../.m.lock", "folder", "a folder"), ("../.m.lock", "loop", "a symlink"),
+    # A symlink that leads to a folder (or a file) elsewhere: written and deleted through before (the path-safety
+    # hunt: the stale-file sweep and the versions' prune emptied the folder it led to).
+    ("", "elsewhere", "a symlink"), (".nereid-versions", "elsewhere", "a symlink"),
+    (".cache", "elsewhere", "a symlink"), ("../.m.lock", "elsewhere", "a symlink")])
 def test_nereid_s_own_names_of_the_wrong_kind_are_removed_and_the_load_goes_on(s3, tmp_path, caplog, name, damage,
                                                                               kind, bucket_config) -> None:
     """Defect (the bug hunt of persistent caches): a file (or a symlink loop) where a mirror folder's
@@ -411,8 +415,14 @@ def test_nereid_s_own_names_of_the_wrong_kind_are_removed_and_the_load_goes_on(s
     elif damage == "folder":
         damaged.mkdir()
         (damaged / "inside").write_text("x")
-    else:
+    elif damage == "loop":
         damaged.symlink_to(damaged.name)
+    else:
+        elsewhere = tmp_path / "elsewhere"
+        (elsewhere / "sub").mkdir(parents=True)
+        (elsewhere / "important.txt").write_text("keep")
+        (elsewhere / "sub" / "notes.md").write_text("keep")
+        damaged.symlink_to(elsewhere / "lock" if name.endswith(".lock") else elsewhere)
     with caplog.at_level(logging.WARNING, logger="nereid.storage"):
         hold = materialize_model_version(server, "m")
     try:
@@ -421,9 +431,13 @@ def test_nereid_s_own_names_of_the_wrong_kind_are_removed_and_the_load_goes_on(s
     finally:
         _release(hold)
     assert not damaged.is_symlink() and (damaged.is_file() if name.endswith(".lock") else damaged.is_dir())
-    then = {".nereid-versions": "they are made again", ".cache": "they are built again"}.get(name, "it is made again")
-    belongs = {".nereid-versions": "the folder of its versions", ".cache": "the folder of its builds"}.get(
-        name, "the model folder's lock file")
+    if damage == "elsewhere":
+        assert sorted(p.relative_to(elsewhere).as_posix() for p in elsewhere.rglob("*")) == [
+            "important.txt", "sub", "sub/notes.md"]
+    then = {".nereid-versions": "they are made again", ".cache": "they are built again", "": "the folder is fetched "
+            "again"}.get(name, "it is made again")
+    belongs = {".nereid-versions": "the folder of its versions", ".cache": "the folder of its builds",
+               "": "the model's folder"}.get(name, "the model folder's lock file")
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
         f"{s3.url('m')}: removed {damaged} from the local cache: {kind} where {belongs} belongs (a damaged cache?); "
         f"{then}"]
@@ -470,3 +484,30 @@ def test_a_lock_another_process_lets_go_of_within_the_quiet_time_is_waited_for_u
     finally:
         holder.wait(10)
     assert not [r for r in caplog.records if "waiting for" in r.getMessage()]
+
+
+@pytest.mark.parametrize("first", ["listing", "load"])
+def test_the_files_fetched_from_a_bucket_are_in_a_folder_only_the_server_s_user_can_enter(s3, tmp_path, bucket_config,
+                                                                                        first) -> None:
+    """Defect (the path-safety hunt): under the usual umask 022 the cache's folders were made 0755 and its files
+    0644, so every user of the machine could read the code and weights fetched from a private bucket. The
+    cache's repositories/ folder is made 0700, whichever comes first, a listing or a load; one there already
+    keeps the mode its operator gave it."""
+    from nereid.storage import materialize_model_folder, scan_model_folders
+
+    server = load_settings(bucket_config(tmp_path, s3.url())).server
+    obstore.put(s3.store, f"{s3.prefix}/m/main.py", b"print(1)")
+    repositories = Path(server.ml_backends_path).parent
+    old = os.umask(0o022)
+    try:
+        if first == "listing":
+            assert scan_model_folders(server) == ["m"]
+        folder = materialize_model_folder(server, "m")
+    finally:
+        os.umask(old)
+    assert repositories.name == "repositories" and (folder / "main.py").read_bytes() == b"print(1)"
+    assert repositories.stat().st_mode & 0o777 == 0o700
+    repositories.chmod(0o750)  # an operator's choice
+    materialize_model_folder(server, "m")
+    scan_model_folders(server)
+    assert repositories.stat().st_mode & 0o777 == 0o750
