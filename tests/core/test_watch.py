@@ -1098,35 +1098,50 @@ def test_a_store_failure_that_repeats_is_an_error_once_then_debug_until_its_reas
                 and r.getMessage().startswith("model 'm' is UNAVAILABLE") and why in r.getMessage()]
 
     async def scenario() -> None:
+        import shutil
+        import socket
+        import subprocess
+        import tempfile
+
         repository, watcher = await store.watched()
         folder.parent.mkdir(parents=True, exist_ok=True)
         lock = folder.parent / f".m{LOCK_SUFFIX}"
-        lock.symlink_to(folder.parent / "missing" / "lock")  # its lock file cannot be made: No such file or directory
+        # Its lock file cannot be opened: a socket there (No such device or address). (A folder or a symlink there
+        # would be removed as damage.)
+        with tempfile.TemporaryDirectory() as short, socket.socket(socket.AF_UNIX) as listening:
+            listening.bind(os.path.join(short, "s"))  # (moved there: a socket's path is at most 107 bytes)
+            shutil.move(os.path.join(short, "s"), lock)
         store.upload("m")
         polling = asyncio.create_task(watcher.run())
+        running = None
         try:
             await _until(lambda: len(failures()) >= 3, "'m' failed and was tried again twice", timeout_s=3)
-            # Another reason: its lock file a link through a file (a folder there would be removed as damage).
+            # Another reason: its lock file a program running (Text file busy).
             lock.unlink()
-            (folder.parent / "a-file").write_text("x")
-            lock.symlink_to(folder.parent / "a-file" / "lock")
-            await _until(lambda: failures("Not a directory"), "'m' tried again, failing for another reason", 3)
+            shutil.copy("/bin/sleep", lock)
+            running = subprocess.Popen([lock, "60"])
+            await _until(lambda: failures("Text file busy"), "'m' tried again, failing for another reason", 3)
+            running.kill()
+            running.wait()
             lock.unlink()
             await _until(lambda: _entry(repository, "m").state is ModelState.READY, "'m' loaded once fixed", 3)
         finally:
+            if running is not None:
+                running.kill()
+                running.wait()
             watcher.stop()
             await polling
             await repository.unload_all()
     asyncio.run(scenario())
-    repeated = failures("No such file or directory")
+    repeated = failures("No such device or address")
     assert len(repeated) >= 3 and repeated == ["ERROR"] + ["DEBUG"] * (len(repeated) - 1), repeated
-    assert failures("Not a directory") == ["ERROR"]
+    assert failures("Text file busy") == ["ERROR"]
     said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "nereid.watch"
             and r.getMessage().startswith("dynamic repository: folder 'm'")]
     assert [level for level, _ in said if level != "DEBUG"] == ["WARNING", "WARNING", "INFO"], said
     warnings = [message for level, message in said if level == "WARNING"]
-    assert "did not load because of the store" in warnings[0] and "No such file or directory" in warnings[0]
-    assert "failed it again, for another reason" in warnings[1] and "Not a directory" in warnings[1]
+    assert "did not load because of the store" in warnings[0] and "No such device or address" in warnings[0]
+    assert "failed it again, for another reason" in warnings[1] and "Text file busy" in warnings[1]
     assert f"loaded; the store had failed it {len(repeated) + 1} time(s)" in said[-1][1]
 
 
