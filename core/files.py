@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from nereid.errors import ConfigError
+from nereid.errors import ConfigError, cap_message
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,15 @@ def warn_if_file_names_not_utf8() -> bool:
 
 # How many entries of a model folder the symlink check looks at before giving up on the folder.
 MAX_FOLDER_ENTRIES = 100_000
+# How deep a model folder's subfolders may nest. Python 3.11's os.walk calls itself once per level: one folder
+# nested 1,500 deep failed every scan of the repository with RecursionError, so that no model loaded at start and
+# the watcher applied no change (the path-safety hunt). Walks of model folders go no deeper; a load refuses one.
+MAX_FOLDER_DEPTH = 100
+
+
+def folder_depth(folder: str, directory: str) -> int:
+    """How many levels below ``folder`` the walked ``directory`` (a path os.walk gave, under ``folder``) lies."""
+    return directory.count(os.sep, len(folder.rstrip(os.sep)))
 
 
 def descriptor_path(fd: int) -> str:
@@ -139,7 +148,8 @@ def escaping_link(folder: Path, root: Path, config_name: str = "nereid.yaml") ->
     """The first symlink in ``folder`` (the folder itself included) that leads outside ``root``.
 
     Returns (the link, where it leads), or None when every link stays inside.
-    Raises ConfigError when the folder has more than :data:`MAX_FOLDER_ENTRIES`, or a subfolder cannot be listed
+    Raises ConfigError when the folder has more than :data:`MAX_FOLDER_ENTRIES`, nests folders deeper than
+    :data:`MAX_FOLDER_DEPTH`, or a subfolder cannot be listed
     but can be searched (its refusal names ``config_name``, see :func:`check_confined`).
     A linked folder that stays inside ``root`` is walked too, for a link in it may lead out (the hunt of the
     symlink check: ``v2 -> ../.shared``, ``.shared/w.safetensors -> /elsewhere``, loaded through the two hops);
@@ -159,6 +169,9 @@ def escaping_link(folder: Path, root: Path, config_name: str = "nereid.yaml") ->
     # os.walk passes over a subfolder it cannot list (see _refuse_unlisted_reachable for those a model can reach).
     refuse = functools.partial(_refuse_unlisted_reachable, config_name=config_name)
     for directory, subdirs, files in os.walk(folder, onerror=refuse, followlinks=True):
+        if subdirs and folder_depth(os.fspath(folder), directory) >= MAX_FOLDER_DEPTH:
+            raise ConfigError(f"{folder}: nests folders more than {MAX_FOLDER_DEPTH} deep "
+                              f"({cap_message(os.path.relpath(os.path.join(directory, subdirs[0]), folder), 200)})")
         real_directory = real_of.pop(directory, None) or os.path.realpath(directory)
         links_in = set()  # the names here that are links (inside the root: the others end the walk)
         for name in (*subdirs, *files):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nereid.files import folder_gone
+from nereid.files import MAX_FOLDER_DEPTH, folder_depth, folder_gone
 from nereid.storage import StoreURL, local_model_folders
 
 if TYPE_CHECKING:
@@ -69,12 +69,15 @@ def folder_stamp(folder: Path) -> tuple[tuple[FileStamp, ...], int] | None:
     """The stamp of one local model folder and the newest mtime of its hidden files (None when it vanished).
 
     Only ``stat`` calls: cheap enough to take before every load (see
-    :meth:`ModelRepository.loaded_stamp`).
+    :meth:`ModelRepository.loaded_stamp`). Subfolders deeper than
+    :data:`~nereid.files.MAX_FOLDER_DEPTH` are left out.
     """
     files: list[FileStamp] = []
     hidden_mtime_ns = 0
     for directory, subdirs, names in os.walk(folder):
         subdirs[:] = sorted(d for d in subdirs if not ignored_name(d))
+        if folder_depth(os.fspath(folder), directory) >= MAX_FOLDER_DEPTH:
+            subdirs[:] = []  # (not walked deeper: the model's load refuses the folder, naming the depth)
         for name in subdirs:
             path = os.path.join(directory, name)
             if os.path.islink(path):  # (not walked into) the link itself: re-pointed (ln -sfn), it is a new link

@@ -451,3 +451,33 @@ def zero_text_section(path: Path) -> int:
             path.write_bytes(bytes(data))
             return size
     raise AssertionError(f"{path} has no .text section")
+
+
+def made_deep(folder: Path, levels: int, leaf: str = "leaf.txt") -> None:
+    """Folders ``a/a/.../a`` ``levels`` deep in ``folder``, the file ``leaf`` at the bottom: made a level at a time
+    from the last, for a path this long is longer than one call takes."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir("a", dir_fd=descriptor)
+            inner = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=descriptor)
+            os.close(descriptor)
+            descriptor = inner
+        os.close(os.open(leaf, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=descriptor))
+    finally:
+        os.close(descriptor)
+
+
+def removed_deep(folder: Path, levels: int, leaf: str = "leaf.txt") -> None:
+    """Remove what :func:`made_deep` made in ``folder``, from the bottom up."""
+    descriptors = [os.open(folder, os.O_RDONLY | os.O_DIRECTORY)]
+    try:
+        for _ in range(levels):
+            descriptors.append(os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=descriptors[-1]))
+        os.unlink(leaf, dir_fd=descriptors[-1])
+        while len(descriptors) > 1:
+            os.close(descriptors.pop())
+            os.rmdir("a", dir_fd=descriptors[-1])
+    finally:
+        for descriptor in descriptors:
+            os.close(descriptor)

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Callable, Collection, Iterator
 
 from nereid.errors import ConfigError
-from nereid.files import (atomic_write, fsync_folder, kind_of, not_regular_reason, read_regular_file,
-                          temporary_name)
+from nereid.files import (MAX_FOLDER_DEPTH, atomic_write, folder_depth, fsync_folder, kind_of, not_regular_reason,
+                          read_regular_file, temporary_name)
 from nereid.leftovers import remove_stale_partials
 from nereid.processes import new_children_stopped
 
@@ -235,6 +235,8 @@ def code_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
                 continue
             seen.add(real)
         folders[:] = sorted(f for f in folders if not f.startswith("."))
+        if folder_depth(os.fspath(folder), root) >= MAX_FOLDER_DEPTH:
+            folders[:] = []  # (a load under server.follow_symlinks: true, which no depth check refused first)
         found.extend(Path(root) / name for name in sorted(files)
                      if name.endswith(suffixes) and not _editor_leftover(root, name))
     return found

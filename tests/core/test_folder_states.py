@@ -243,3 +243,29 @@ def test_the_identities_kept_follow_the_repository_whatever_its_size(tmp_path, m
     shutil.rmtree(tmp_path / "m3")
     scan_repository(tmp_path)
     assert not [key for key in folder_states._IDENTITIES if key.endswith(os.sep + "m3")]
+
+
+def test_a_folder_nested_deeper_than_the_limit_is_stamped_to_the_limit_and_its_code_files_listed_to_it(tmp_path):
+    """The path-safety hunt: Python 3.11's os.walk recursed once per level, and a folder 1,500 deep raised
+    RecursionError out of every scan of its repository (and out of a cpp model's list of code files, under
+    server.follow_symlinks: true, which no depth check refuses first)."""
+    from nereid.backends.cpp.compiler import code_files
+    from nereid.files import MAX_FOLDER_DEPTH
+    from support import made_deep, removed_deep
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "main.cpp").write_text("int main() {}\n")
+    made_at_limit = tmp_path / "m" / os.path.join(*["a"] * (MAX_FOLDER_DEPTH - 1))
+    made_deep(tmp_path / "m", 1_500, "deep.h")
+    try:
+        stamp = folder_stamp(tmp_path / "m")
+        assert stamp is not None
+        assert [entry[0] for entry in stamp[0]] == ["main.cpp"]  # (the file at the bottom lies past the limit)
+        assert code_files(tmp_path / "m", (".cpp", ".h")) == [tmp_path / "m" / "main.cpp"]
+        assert scan_repository(tmp_path)["m"].stamp == stamp[0]
+        (made_at_limit / "near.h").write_text("")  # (at the deepest level walked: still a file of the folder)
+        assert [entry[0] for entry in folder_stamp(tmp_path / "m")[0]] == [
+            "main.cpp", os.path.relpath(made_at_limit / "near.h", tmp_path / "m")]
+    finally:
+        (made_at_limit / "near.h").unlink(missing_ok=True)
+        removed_deep(tmp_path / "m", 1_500, "deep.h")

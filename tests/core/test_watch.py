@@ -16,7 +16,7 @@ import tritonclient.grpc as triton
 from tritonclient.utils import InferenceServerException
 
 from nereid.storage.mirror import LOCK_SUFFIX
-from support import textproto_single
+from support import made_deep, removed_deep, textproto_single
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "ml-backends"
 SETTLE = "  watch: true\n  watch_settle_ms: 100\n"
@@ -108,6 +108,31 @@ def test_dropped_folder_loads_and_a_half_copy_is_retried(repo, serve):
     wait_for(lambda: index(server)["dropped"][0] == "READY")
     assert ask(server.client, "dropped")["version"] == "dropped"
     assert server.client.is_server_ready()
+
+
+def test_a_folder_nested_too_deep_fails_its_own_load_and_the_others_load_and_are_watched(repo, serve):
+    """Defect (the path-safety hunt): one folder of subfolders nested 1,500 deep failed every scan of the
+    repository (Python 3.11's os.walk recursing once per level: RecursionError), so no model loaded at start and
+    the watcher applied no change. It fails its own load, naming the depth."""
+    from nereid.files import MAX_FOLDER_DEPTH
+
+    write_model(repo.models_dir / "first", "1")
+    deep = repo.models_dir / "deep"
+    write_model(deep, "deep")
+    nested = deep / "data"
+    nested.mkdir()
+    made_deep(nested, 1_500)
+    try:
+        server = serve(repo.write_config("- name: first\n- name: deep\n", server_extra=SETTLE))
+        assert index(server)["first"][0] == "READY" and ask(server.client, "first")["version"] == "1"
+        expected = f"nests folders more than {MAX_FOLDER_DEPTH} deep (data/a/a/a/"
+        wait_for(lambda: expected in index(server).get("deep", ("", ""))[1])
+        assert index(server)["deep"][0] == "UNAVAILABLE"
+        write_model(repo.models_dir / "later", "later")
+        wait_for(lambda: index(server).get("later", ("",))[0] == "READY")
+        assert ask(server.client, "later")["version"] == "later"
+    finally:
+        removed_deep(nested, 1_500)  # (pytest's cleanup, Python 3.11's rmtree, recurses once per level too)
 
 
 def test_a_new_folder_asked_for_before_it_settles_says_when_it_will_load(repo, serve):
