@@ -166,7 +166,12 @@ def remote_folder_exists(location: StoreURL, name: str) -> bool:
 
     Found even where a listing of every folder misses it (a page obstore
     drops, see :func:`_folders_from_keys`); StorageError when it cannot be listed.
+    False for a name obstore cannot put in a key (a control character): no file of such a folder can be read,
+    and the listing refused it as the store's failure, a 503 telling the client to try again (the path-safety
+    hunt).
     """
+    if _is_bad_segment(name):
+        return False
     prefix = location.key() + "/" if location.key() else ""
     return _folder_exists(location, open_store(location), f"{prefix}{name}/")
 

@@ -106,6 +106,10 @@ def test_a_load_of_a_model_whose_prefix_is_gone_is_not_found_as_for_a_local_fold
         obstore.delete(s3.store, key)
     expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("unlisted"),
                       "unknown model 'unlisted' (no folder 'unlisted' under ml_backends_path)")
+    # A name no key can hold (the store client refuses control characters): no folder, not the store's failure
+    # (it was UNAVAILABLE 'cannot list the model folders: ... Could not parse path'; the path-safety hunt).
+    for odd in ("x\ty", "ghost\x01", "a\x7fb"):
+        expect_grpc_error("NOT_FOUND", lambda: server.client.load_model(odd), "unknown model ")
     expect_grpc_error("NOT_FOUND", lambda: server.client.load_model("m"),
                       "model 'm': its folder 'm' is gone from ml_backends_path, so it cannot be loaded again; the "
                       "version loaded before serves on (nothing follows the folder without server.watch)")
