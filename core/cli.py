@@ -438,10 +438,11 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
         for note in notes:
             config_problems += 1
             print(one_record_per_line(note))
+        listing_failed = False
         try:
             names = scan_model_folders(settings.server)
         except StorageError as err:
-            names = []
+            names, listing_failed = [], True
             if settings.models_listed:
                 logging.getLogger("nereid.storage").error("%s", err)  # (each listed model's line has the reason)
             else:
@@ -450,7 +451,11 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
                 # listed model is looked for by its own prefix, and its line says what failed.)
                 listing_problem = str(err)
                 print(one_record_per_line(listing_problem))
-        if settings.server.ml_backends_url is not None:  # a store that cannot be listed: check the listed models
+        if settings.server.ml_backends_url is not None or listing_failed:
+            # The listed models, each by its own name, as a server loads them: a store's listing may miss a folder,
+            # and a local ml_backends_path that cannot be listed (mode 311: searched, not listed) may serve them,
+            # or fail each for its reason (it cannot be searched either), where check printed WAITING and exit 0
+            # (the config hunt).
             names = sorted({*names, *(m.name for m in settings.models)})
         states: dict[str, tuple[str, str]] = {}  # each model as a server would have it at start
         callers: list[_Checked] = []  # loaded fine, and call other models: judged once every model is

@@ -1663,6 +1663,23 @@ def test_a_model_folder_the_server_s_user_cannot_read_is_said_to_be_unreadable(r
     assert "no backend claims" not in done.stdout + done.stderr and "raised PermissionError" not in done.stderr
 
 
+@pytest.mark.parametrize("mode", [0o000, 0o311])
+def test_the_listed_models_of_an_ml_backends_path_that_cannot_be_listed_are_each_checked_as_serve_loads_them(
+        repo, mode) -> None:
+    """Defect (the config hunt): with a models: list and an ml_backends_path the server's user cannot list, check
+    printed each listed model WAITING (for server.watch, which was off) and exit 0, where serve had each UNAVAILABLE
+    for its reason (mode 000) or loaded them all (mode 311: searched, not listed). Each is checked by its name."""
+    repo.python("echo")
+    done = _checked_as_non_root(repo, {repo.models_dir: mode}, "- name: echo\n")
+    out = done.stdout + done.stderr
+    assert "WAITING" not in out, out[-3000:]
+    if mode == 0o000:
+        assert done.returncode == 1, out[-3000:]
+        assert f"the folder {repo.models_dir / 'echo'} cannot be read by the server's user" in done.stdout, out[-3000:]
+    else:
+        assert done.returncode == 0 and "echo: OK" in done.stdout, out[-3000:]
+
+
 def test_a_model_file_the_server_s_user_cannot_open_is_said_so_without_blaming_the_backend(repo) -> None:
     """Defect (the hunt of edc6865): a main.py the server's user cannot read failed the load as the python
     backend's own exception ("PermissionError ... (raised by the load() of built-in backend 'python')"), which
