@@ -206,6 +206,25 @@ def test_a_client_ca_of_only_an_intermediate_lets_its_clients_in_on_both_listene
             assert not https_ok(https, root.path)  # no certificate at all
 
 
+def test_files_saved_with_a_byte_order_mark_serve_both_listeners(folder) -> None:
+    """The config hunt: a client_ca saved with a UTF-8 byte order mark (as a Windows editor may) passed the check,
+    which Python's OpenSSL reads, and serve failed at gRPC's port, blaming server.bind_addr; a cert or key so saved
+    was refused as a kind of key gRPC cannot serve. The mark is skipped, as OpenSSL skips it."""
+    root = Issuer(folder, "root")
+    cert, key = root.leaf("server")
+    client = root.leaf("client")
+    marked = []
+    for path in (cert, key, root.path):
+        copy = folder / f"bom-{path.name}"
+        copy.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+        marked.append(copy)
+    tls = TlsSettings(*marked)
+    read_tls_material(tls)
+    with https_listener(tls) as https, grpc_listener(tls) as grpc_port:
+        assert https_ok(https, root.path, client) and grpc_ok(grpc_port, root.path, client)
+        assert not https_ok(https, root.path) and not grpc_ok(grpc_port, root.path)  # (mutual TLS, still)
+
+
 def test_https_checks_client_certificates_as_grpc_does_whatever_python_s_defaults(folder) -> None:
     """The 3.12/3.13 hunt: Python 3.13's default context adds VERIFY_X509_STRICT, which refused over HTTPS a client
     certificate without an Authority Key Identifier that gRPC let in (and 3.11 and 3.12 did). The flags a server
