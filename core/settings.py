@@ -453,7 +453,7 @@ def parse_settings(document: Any, path: Path, read_tls: bool = True) -> Settings
 def _parse_server(reader: KeyedReader, raw: Any, path: Path, read_tls: bool = True) -> ServerSettings:
     section = reader.mapping(raw, "server", _SERVER_KEYS, _key_hints("server"))
     bind_addr = _address(reader, section, "server.bind_addr", DEFAULT_BIND_ADDR, off=None)
-    backends_text = reader.string(section, "server.ml_backends_path", "ml-backends")
+    backends_text = _path_text(reader, section, "server.ml_backends_path", "ml-backends")
     if not backends_text.strip():  # ("" would serve nereid.yaml's own folder)
         reader.fail("server.ml_backends_path", "must name a folder or a bucket, not be empty", backends_text)
     try:
@@ -526,6 +526,15 @@ def _address(reader: KeyedReader, section: Mapping[str, Any], key: str, default:
     return address
 
 
+def _path_text(reader: KeyedReader, section: Mapping[str, Any], key: str, default: str) -> str:
+    """The string at ``key``, a path: a NUL character, which no path can hold, is refused naming the key (it was a
+    traceback ending "ValueError: embedded null byte" from the first use of the path; the config hunt)."""
+    text = reader.string(section, key, default)
+    if "\0" in text:
+        reader.fail(key, "must not hold a NUL character (no path can)", text)
+    return text
+
+
 def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path, needed: bool) -> Path | None:
     """``server.cache_dir``: relative to nereid.yaml; default ``$XDG_CACHE_HOME/nereid`` (``~/.cache/nereid``).
 
@@ -534,7 +543,7 @@ def _cache_dir(reader: KeyedReader, section: Mapping[str, Any], path: Path, need
     user id has no home directory, and a local repository must serve there.
     """
     if "cache_dir" in section:
-        text = reader.string(section, "server.cache_dir", "")
+        text = _path_text(reader, section, "server.cache_dir", "")
         if not text:
             reader.fail("server.cache_dir", "must be a folder path", text)
         folder = _home_expanded(text)
@@ -581,7 +590,7 @@ def _parse_tls(reader: KeyedReader, raw: Any, path: Path, read: bool = True) -> 
                 reader.fail(f"server.tls.{key}", "is required (a PEM file)", None)
             files[key] = None
             continue
-        text = reader.string(section, f"server.tls.{key}", "")
+        text = _path_text(reader, section, f"server.tls.{key}", "")
         if not text:
             reader.fail(f"server.tls.{key}", "must be a file path", text)
         file = Path(text)

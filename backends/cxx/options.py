@@ -68,7 +68,7 @@ def parse_options(model: str, runtime: Mapping[str, Any], origin: str, folder: P
     config = config_file(origin)
 
     def resolve(key: str, value: Any) -> Path:
-        if not isinstance(value, str) or not value:
+        if not isinstance(value, str) or not value or "\0" in value:  # (no path holds a NUL: the config hunt)
             fail(key, f"must be a path (absolute, relative to {config_name}, or under {MODEL_FOLDER}/)"
                       f"{quoting_hint(value)}", value)
         if value.startswith(MODEL_FOLDER + "/"):

@@ -105,6 +105,10 @@ def refusal(root: Path, body: str) -> tuple[Path, str]:
     ("backends: false\n", "backends", "false"),
     ("backends: []\n", "backends", "[]"),
     ("backends: ''\n", "backends", "''"),
+    # (The config hunt: a NUL in a path was a traceback ending "ValueError: embedded null byte".)
+    ('server:\n  ml_backends_path: "s3://b/p"\n  cache_dir: "/tmp/x\\0y"\n', "server.cache_dir", "'/tmp/x\\x00y'"),
+    ('server:\n  ml_backends_path: "m\\0x"\n', "server.ml_backends_path", "'m\\x00x'"),
+    ('server:\n  tls: {cert: "a\\0.crt", key: k}\n', "server.tls.cert", "'a\\x00.crt'"),
 ])
 def test_mistakes_name_file_key_and_value(root: Path, body: str, key: str, value: str) -> None:
     path, message = refusal(root, body)

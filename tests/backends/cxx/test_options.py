@@ -3,6 +3,7 @@ nereid.yaml's folder or the model folder ($MODEL_FOLDER)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,17 @@ def test_a_source_yaml_read_as_a_boolean_is_named_by_its_item_with_the_advice_to
         parse_options("m", {"sources": ["/abs/a.cpp", True]}, "", tmp_path / "m")
     assert "runtime.sources[1]: must be a path" in str(refused.value)
     assert "put the text in quotes" in str(refused.value) and str(refused.value).endswith("got true")
+
+
+def test_a_path_holding_a_nul_is_refused_naming_its_key(tmp_path):
+    """The config hunt: it failed the load as "ValueError: embedded null byte (raised by the load() of built-in
+    backend 'cxx')", naming neither the key nor the value."""
+    from nereid.backends.cxx.options import parse_options
+    from nereid.errors import ConfigError
+
+    for runtime, key in (({"library": "lib\0x.so"}, "library"), ({"sources": ["/abs/a.cpp", "b\0.cpp"]}, "sources[1]")):
+        with pytest.raises(ConfigError, match=rf"runtime\.{re.escape(key)}: must be a path .*got '.*\\x00"):
+            parse_options("m", runtime, "", tmp_path / "m")
 
 
 def test_a_models_own_library_or_sources_replaces_the_other_from_backends_cxx(tmp_path):
