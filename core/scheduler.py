@@ -580,8 +580,11 @@ class ModelScheduler:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
             self._arrived.clear()  # before deciding: an arrival from here on wakes the wait below
-            # Draining, no request can join the queue: a batch does not wait for company any more.
-            policy = self.policy if self._accepting else replace(self.policy, max_delay_ns=0)
+            # Draining, or with a queue so full that it refuses arrivals, no request can join the queue: a batch
+            # does not wait for company any more. (A queue_capacity under a preferred batch size held the requests
+            # that filled it for max_queue_delay_ms while others were refused; the config hunt.)
+            policy = self.policy if self._accepting and not self._refuses() else \
+                replace(self.policy, max_delay_ns=0)
             wake_ns = self._start_batch(policy)
             if wake_ns is not None:
                 # One wake-up at the first request's window end; arrivals wake the loop in between.

@@ -554,6 +554,30 @@ def two_instances(backend: TimedGates) -> ModelScheduler:
                           policy(preferred_batch_sizes=[2], max_queue_delay_ms=DELAY_S * 1000))
 
 
+def test_a_queue_too_full_for_another_request_sends_its_batch_without_waiting_for_company() -> None:
+    """Defect (the config hunt): with a queue_capacity under the preferred batch size, the requests that filled
+    the queue waited out max_queue_delay_ms for company the full queue refused (a minute here)."""
+    from nereid.errors import Unavailable
+
+    async def scenario() -> None:
+        backend = RecordingBackend()
+        backend.gate.set()
+        scheduler = ModelScheduler("m", backend, FIXED, 2, 1, ModelStats(),
+                                   policy(max_queue_delay_ms=60_000, preferred_batch_sizes=[4]))
+        first = [asyncio.create_task(scheduler.submit(request(i), 1, 0)) for i in range(2)]
+        await asyncio.sleep(0.05)
+        assert backend.batches == []  # (room for one more past the free instance: it waits for company)
+        last = asyncio.create_task(scheduler.submit(request(2), 1, 0))  # fills the queue: none can join
+        refused = asyncio.create_task(scheduler.submit(request(3), 1, 0))
+        results = await asyncio.wait_for(asyncio.gather(*first, last), 10)
+        with pytest.raises(Unavailable, match="queue is full"):
+            await refused
+        assert backend.batches == [[0.0, 1.0, 2.0]]
+        assert [float(outputs[0].data[0, 0]) for outputs in results] == [0.0, 2.0, 4.0]
+        await scheduler.drain()
+    run(scenario())
+
+
 def test_a_request_with_an_instance_free_waits_its_delay_though_another_instance_frees_meanwhile() -> None:
     """Defect: every execution's end restarted the first request's window, also while another instance stood
     free: with 2 instances, a request waited up to twice max_queue_delay_ms."""
