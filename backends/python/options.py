@@ -18,7 +18,8 @@ from typing import Any, Mapping
 from nereid.config_document import quoting_hint
 from nereid.runtime_options import RuntimeOptions
 
-_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+# (fullmatch: "$" also matches before a final line break, and "os\n" passed, then failed the warm parent's import.)
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def parse_options(runtime: Mapping[str, Any], origin: str) -> PythonOptions:
     if not isinstance(preload, list):
         options.fail("preload", "must be a list of module names", preload)
     for index, module in enumerate(preload):
-        if not isinstance(module, str) or not _MODULE_NAME.match(module):  # (the list alone named none: a bug hunt)
+        if not isinstance(module, str) or not _MODULE_NAME.fullmatch(module):  # (the list alone named none: a bug hunt)
             options.fail(f"preload[{index}]", "must be a module name such as numpy or sklearn.linear_model"
                          f"{quoting_hint(module)}", module)
     return PythonOptions(warm_start, tuple(preload))

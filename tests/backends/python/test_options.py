@@ -19,6 +19,7 @@ def test_the_defaults_and_a_preload_list() -> None:
     (["numpy", "os; import sys"], "preload[1]", "'os; import sys'"),
     (["", "numpy"], "preload[0]", "''"),
     (["numpy", "../x"], "preload[1]", "'../x'"),
+    (["os\n"], "preload[0]", "'os\\n'"),  # (passed the check, then turned warm start off: the config hunt)
     (["numpy", 3], "preload[1]", "3"),
 ])
 def test_a_bad_preload_entry_is_named_by_its_index(preload, key: str, value: str) -> None:
