@@ -51,7 +51,7 @@ LOAD_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # (metric name, help, ModelStats attribute)
 _HISTOGRAMS = (
-    ("nereid_request_duration_seconds", "Time from arrival to answer, of successful requests.",
+    ("nereid_request_duration_seconds", "Time from the decoded request to its answer, of successful requests.",
      "request_seconds"),
     ("nereid_queue_duration_seconds", "Time a successful request waited in the queue.", "queue_seconds"),
     ("nereid_compute_duration_seconds", "Time of one execution (batch assembly, inference, split).",

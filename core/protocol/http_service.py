@@ -299,6 +299,9 @@ class HttpSurface:
         except NereidError as err:  # out of memory reading it
             self._refused(model, err)
             raise
+        except asyncio.CancelledError:
+            self._count_cut_at_grace(model)
+            raise
         try:
             json_size = len(body) if length is None else length
             if json_size >= SERIAL_DECODE_JSON_BYTES:
@@ -319,6 +322,9 @@ class HttpSurface:
         except Exception:  # a bug of the decoder's, answered 500 (see __call__): still one of the model's failures
             self.dataplane.count_failure(model, NereidError.reason)
             self._counted(model, NereidError.reason)
+            raise
+        except asyncio.CancelledError:
+            self._count_cut_at_grace(model)
             raise
         del body
         try:
@@ -582,6 +588,13 @@ class HttpSurface:
     def _counted(self, model: str, outcome: str) -> None:
         if self._count is not None:
             self._count(model, outcome)
+
+    def _count_cut_at_grace(self, model: str) -> None:
+        """Count an infer request that uvicorn cancelled at the shutdown grace while its body was read or decoded
+        (answered 503 in :meth:`__call__`), as one ended then in the data plane is counted: it was counted nowhere
+        (the counting hunt). A cancellation of another kind is not counted here."""
+        if self.dataplane.shutting_down:
+            self._refused(model, Unavailable(past_grace_message(model)))
 
     def _refused(self, model: str, error: NereidError) -> None:
         """Count a request refused before the data plane (unreadable, ...) like one the data plane refused."""
