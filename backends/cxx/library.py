@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 from nereid.backends.cxx import API_VERSION
+from nereid.backends.cxx.process_guard import process_state_kept
 from nereid.backends.elf_files import elf_cut_short, link_names, needed_libraries
 from nereid.backends.scratch import require_executable_folder, scratch_folder_refused
 from nereid.errors import ConfigError
@@ -400,7 +401,7 @@ class NativeLibrary:
         self._library = os.path.relpath(library, self._root)
         self._copy = self._folder / self._library
         self._shipped = {os.path.relpath(file, self._root) for file in shipped}
-        self._model = model
+        self.model = model
         try:
             self._folder.mkdir()
         except OSError as err:
@@ -418,7 +419,8 @@ class NativeLibrary:
         # Said first: the library's static constructors run in the server's own process, and one that exits or
         # crashes ends it (nereid check too) with no other line naming the model.
         log.info("model '%s': opening shared library %s", model, path)
-        self._handle: int | None = self._libc.dlopen(os.fsencode(self._copy), _RTLD_NOW | _RTLD_LOCAL)
+        with process_state_kept(model, "opening its shared library"):  # (its static constructors run here)
+            self._handle: int | None = self._libc.dlopen(os.fsencode(self._copy), _RTLD_NOW | _RTLD_LOCAL)
         if not self._handle:
             # The loader names the file it was given: name the user's instead, once, and the copy's folder,
             # which the fault may be of rather than the file's (a file system that refuses to map code).
@@ -499,7 +501,7 @@ class NativeLibrary:
             log.warning("model '%s': shared library %s needs %s, which the loader took from the model's folder "
                         "(%s), not from the copy the server made: rewriting it while the model serves can crash the "
                         "server; have the library find it through its RUNPATH relative to itself "
-                        "(-Wl,-rpath,'$ORIGIN/lib'), not an absolute path", self._model, self.path, name, loaded)
+                        "(-Wl,-rpath,'$ORIGIN/lib'), not an absolute path", self.model, self.path, name, loaded)
             return
         if not shipped or _THREAD_POOL_RUNTIME.match(os.path.basename(name)):
             return  # (a runtime it ships is kept loaded for good: see _keep_system_libraries)
@@ -510,7 +512,7 @@ class NativeLibrary:
             log.warning("model '%s': shared library %s ships %s, but the loader gave it the one already loaded under "
                         "that name (for another model, or a version of this one still loaded), which differs: the "
                         "loader shares a library by its name, so the one it ships runs only once no loaded model "
-                        "holds one of that name (unload them, then load)", self._model, self.path, name)
+                        "holds one of that name (unload them, then load)", self.model, self.path, name)
 
     def _loaded_path(self, name: str) -> str | None:
         """Where the loader found the library ``name`` the copy needs (the path it mapped), or None when it is not

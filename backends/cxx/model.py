@@ -13,6 +13,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from nereid.backends.subprocess.dtype_names import contract_name
 from nereid.backends.cxx.build import build_library
 from nereid.backends.cxx.library import CTensor, NativeLibrary
 from nereid.backends.cxx.options import parse_options
+from nereid.backends.cxx.process_guard import process_state_kept
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class CxxModel:
         self._calls_lock = threading.Lock()
         self._running_calls = 0
         self._retired: tuple[NativeLibrary, ctypes.c_void_p] | None = None
+        self._named_call = named_caller(context.name)
 
     # -- Model protocol -------------------------------------------------
     def load(self) -> None:
@@ -108,8 +111,9 @@ class CxxModel:
         try:
             if library.load is not None:
                 error = ctypes.create_string_buffer(ERROR_BUFFER_SIZE)
-                status = library.load(name.encode(), os.fsencode(folder.resolve()), ctypes.byref(self._state),
-                                      error, ERROR_BUFFER_SIZE - 1)
+                with process_state_kept(name, "its nereid_load"):
+                    status = self._named_call(library.load, name.encode(), os.fsencode(folder.resolve()),
+                                              ctypes.byref(self._state), error, ERROR_BUFFER_SIZE - 1)
                 if status != 0:
                     raise ConfigError(f"model '{name}': nereid_load in {path} returned {status}: "
                                       f"{_error_text(error)}")
@@ -170,8 +174,8 @@ class CxxModel:
             described.append(_describe(c_tensor, slot, buffer.data, keep))
         error = ctypes.create_string_buffer(ERROR_BUFFER_SIZE)
         # One byte short of the buffer: a library that fills it without a NUL still leaves one.
-        status = library.infer(state, c_inputs, len(c_inputs), c_outputs, len(c_outputs),
-                               error, ERROR_BUFFER_SIZE - 1)
+        status = self._named_call(library.infer, state, c_inputs, len(c_inputs), c_outputs, len(c_outputs),
+                                  error, ERROR_BUFFER_SIZE - 1)
         if status != 0:
             raise ModelFailure(f"model '{self.context.name}': nereid_infer returned {status}: {_error_text(error)}")
         self._check_outputs_untouched(c_outputs, outputs, described)
@@ -288,11 +292,27 @@ class _GuardedBuffer:
 _GUARD_ZONE = bytes([GUARD_BYTE]) * MAX_GUARD_BYTES
 
 
+def named_caller(model: str) -> Callable[..., int]:
+    """A function calling its first argument with the others, whose frame is in the file ``<cxx model 'm'>``.
+
+    The library's calls go through it, so that a crash inside one (a C++
+    exception thrown out of ``nereid_infer``: ``terminate`` and SIGABRT)
+    names the model in faulthandler's trace of the crashing thread, where it
+    showed only nereid's own frames, the same for every cxx model (the
+    native-models hunt).
+    """
+    namespace: dict[str, Any] = {}
+    exec(compile("def call(function, *arguments):\n    return function(*arguments)\n",
+                 f"<cxx model {ascii(model)}>", "exec"), namespace)
+    return namespace["call"]
+
+
 def _close(library: NativeLibrary, state: ctypes.c_void_p) -> None:
     """nereid_unload (when the library has one), then dlclose its private copy."""
     try:
         if library.unload is not None:
-            library.unload(state)
+            with process_state_kept(library.model, "its nereid_unload"):
+                named_caller(library.model)(library.unload, state)
     finally:
         library.close()
 

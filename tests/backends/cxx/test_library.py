@@ -384,6 +384,32 @@ def test_a_library_that_crashes_the_process_says_where(repo, tmp_path, caplog):
     assert f"model 'plain': opening shared library {tmp_path / 'libplain.so'}" in caplog.text
 
 
+THROWING_LOAD = r'''
+#include <cstddef>
+#include <stdexcept>
+extern "C" int nereid_load(const char*, const char*, void**, char*, size_t) { throw std::runtime_error("boom"); }
+extern "C" int nereid_infer(void*, const void*, size_t, void*, size_t, char*, size_t) { return 0; }
+'''
+
+
+@pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
+def test_a_crash_inside_a_library_s_call_names_the_model_in_the_crash_trace(repo, tmp_path):
+    """Found by the native-models hunt: a C++ exception thrown out of a call (terminate, then SIGABRT) left a trace
+    of nereid's own frames only, the same for every cxx model: the calls go through a frame of the model's name."""
+    import subprocess as sp
+
+    source = tmp_path / "throw.cpp"
+    source.write_text(THROWING_LOAD)
+    library = tmp_path / "libthrow.so"
+    sp.run([CXX, "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    scale_model(repo, "thrower")
+    config = repo.write_config(entry("thrower", f'{{library: "{library}"}}'))
+    result = sp.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "what():  boom" in result.stderr and "Fatal Python error: Aborted" in result.stderr, result.stderr
+    assert 'File "<cxx model \'thrower\'>", line 2 in call' in result.stderr, result.stderr
+
+
 @pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
 def test_an_undefined_cxx_symbol_is_named_readably_too(tmp_path):
     """Found by a bug hunt: the loader's mangled name alone (_Z20not_defined_anywherev) was all the reason said."""

@@ -177,6 +177,58 @@ def test_statics_start_afresh_with_each_load_and_are_never_shared_between_models
     b.unload()
 
 
+MEDDLING_SOURCE = r'''
+#include <csignal>
+#include <unistd.h>
+#include "nereid_cxx.h"
+
+namespace {
+struct Installs { Installs() { std::signal(SIGTERM, SIG_IGN); } } installs;  // as a crash reporter's constructor
+}
+
+extern "C" int nereid_load(const char*, const char* folder, void**, char*, size_t) {
+    std::signal(SIGCHLD, SIG_IGN);  // as a library starting helpers, against zombies
+    return chdir(folder);           // to open its weights by a relative path
+}
+
+extern "C" int nereid_infer(void*, const nereid_tensor*, size_t, nereid_tensor* out, size_t, char*, size_t) {
+    *static_cast<int64_t*>(out[0].data) = 1;
+    return 0;
+}
+'''
+
+
+def test_what_a_library_changes_of_the_server_s_process_is_put_back_and_said(repo, tmp_path, caplog):
+    """Found by the native-models hunt: a library that ignored SIGCHLD made every cpp run that failed read as
+    exiting 0 (one that wrote its output, then exited 3, was served); one that set its own SIGTERM handler ended the
+    server without its drain; one that moved the working folder broke later loads of paths relative to nereid.yaml.
+    Each is put back as it was, and the model named."""
+    import signal
+    import subprocess
+
+    from nereid.backends.cxx.process_guard import _dispositions
+
+    folder = repo.add("meddler", 'output { name: "y" data_type: "INT64" dims: [1] }\n')
+    (folder / "meddler.cpp").write_text(MEDDLING_SOURCE)
+    model = CxxModel(ModelContext("meddler", folder, ModelSettings(
+        "meddler", runtime={"sources": [str(folder / "meddler.cpp")]}), tmp_path, "test"))
+    before, working = _dispositions(), os.getcwd()
+    caplog.set_level(logging.WARNING, logger="nereid.backends.cxx")
+    model.load()
+    try:
+        assert subprocess.run(["sh", "-c", "exit 3"]).returncode == 3  # (0 with SIGCHLD ignored: reaped unread)
+        assert {s: raw[:8] for s, raw in _dispositions().items()} == {s: raw[:8] for s, raw in before.items()}
+        assert os.getcwd() == working and int(model.infer([])[0].data[0]) == 1
+    finally:
+        model.unload()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [m.split(";")[0] for m in said] == [
+        "model 'meddler': opening its shared library changed the server's handling of SIGTERM",
+        f"model 'meddler': its nereid_load changed the server's handling of SIGCHLD and working folder "
+        f"(from {working})"], said
+    assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+
+
 def test_library_without_nereid_load_gets_null_state_and_c_works(repo, serve, libs):
     scale_model(repo, "plain_c")
     server = serve(repo.write_config(entry("plain_c", f'{{library: "{libs["noload"]}"}}')))
