@@ -188,3 +188,57 @@ def _dynamic_strings(read: Read) -> dict[int, list[str]]:
             # for the loader's dlopen and for the file it names (errors="replace" named another file).
             strings.setdefault(tag, []).append(os.fsdecode(text[:end]))
     return strings
+
+
+_SHT_DYNSYM = 11
+_STB_GNU_UNIQUE = 10  # a symbol binding of GCC's: one object for the whole process, whoever defines it
+_MAX_DYNSYM_BYTES = 64 << 20  # (a section header claiming more is no real library's)
+
+
+def unique_symbols(path: str) -> list[str]:
+    """The names of the defined dynamic symbols of the ELF shared object ``path`` bound STB_GNU_UNIQUE (GCC's for
+    the function-local statics of inline functions and templates, unless built with -fno-gnu-unique), in order;
+    [] for a file that is no readable, regular ELF file, or one whose dynamic symbol table cannot be read.
+
+    The loader binds each process-wide, and never unmaps the library that holds one: a reload of a rebuilt
+    library runs the first one's code, and its objects are shared with every library defining them.
+    """
+    fd = _opened(path)
+    if fd is None:
+        return []
+    try:
+        return _unique_symbols(lambda offset, count: os.pread(fd, count, offset))
+    except (OSError, ValueError, struct.error):  # unreadable, cut short
+        return []
+    finally:
+        os.close(fd)
+
+
+def _unique_symbols(read: Read) -> list[str]:
+    header = read(0, 64)
+    kind = _elf_header(header)
+    if kind is None:
+        return []
+    wide, order = kind
+    shoff, = struct.unpack_from(order + ("Q" if wide else "I"), header, 0x28 if wide else 0x20)
+    shentsize, shnum = struct.unpack_from(order + "HH", header, 0x3A if wide else 0x2E)
+    table = read(shoff, shentsize * shnum)
+    # Section header: (sh_type, sh_offset, sh_size, sh_link) of each; then the symbols' own layout.
+    section = struct.Struct(order + ("4xI16xQQI" if wide else "4xI8xIII"))
+    sections = [section.unpack_from(table, index * shentsize) for index in range(shnum)]
+    symbol = struct.Struct(order + ("IB3xQQ" if wide else "IIIB3x"))
+    names: list[str] = []
+    for kind, offset, size, link in sections:
+        if kind != _SHT_DYNSYM or size > _MAX_DYNSYM_BYTES or link >= len(sections):
+            continue
+        symbols = read(offset, size)
+        _, strings_at, strings_size, _ = sections[link]
+        strings = read(strings_at, min(strings_size, _MAX_DYNSYM_BYTES))
+        for at in range(0, len(symbols) - symbol.size + 1, symbol.size):
+            fields = symbol.unpack_from(symbols, at)
+            name, info = (fields[0], fields[1]) if wide else (fields[0], fields[3])
+            shndx = struct.unpack_from(order + "H", symbols, at + (6 if wide else 14))[0]
+            if info >> 4 == _STB_GNU_UNIQUE and shndx != 0:
+                end = strings.find(b"\0", name)
+                names.append(os.fsdecode(strings[name:end if end >= 0 else None]))
+    return names

@@ -23,7 +23,7 @@ from typing import BinaryIO, Callable
 
 from nereid.backends.cxx import API_VERSION
 from nereid.backends.cxx.process_guard import process_state_kept
-from nereid.backends.elf_files import elf_cut_short, link_names, needed_libraries
+from nereid.backends.elf_files import elf_cut_short, link_names, needed_libraries, unique_symbols
 from nereid.backends.scratch import require_executable_folder, scratch_folder_refused
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason
@@ -98,6 +98,22 @@ def _elf_machine(path: Path | str) -> int | None:
 
 # A C++ name as the linker sees it (Itanium ABI mangling): what the loader names an undefined symbol by.
 _MANGLED = re.compile(r"\b_Z[0-9A-Za-z_]+")
+
+
+def _warn_of_unique_symbols(model: str, path: Path, copy: Path) -> None:
+    """Say, once per load, when the library (its loaded ``copy``) defines symbols the loader binds process-wide
+    (STB_GNU_UNIQUE): a prebuilt library built without -fno-gnu-unique served the objects of its first load after
+    it was rebuilt and reloaded, and two models loading it shared them, with no word (the native-models hunt)."""
+    names = unique_symbols(os.fspath(copy))
+    if not names:
+        return
+    demangle = _demangler()
+    shown = ", ".join((demangle(name) if demangle is not None else None) or name for name in names[:3])
+    log.warning("model '%s': shared library %s defines %d symbol(s) the loader binds process-wide (STB_GNU_UNIQUE, "
+                "GCC's for the statics of inline functions and templates: %s%s): those objects outlive a reload of "
+                "a rebuilt library and are shared with every model whose library defines them, and the library is "
+                "never unmapped; build it with -fno-gnu-unique", model, path, len(names), shown,
+                ", ..." if len(names) > 3 else "")
 
 
 def _demangled(message: str) -> str:
@@ -431,6 +447,7 @@ class NativeLibrary:
             raise ConfigError(f"model '{model}': cannot load shared library {path} (dlopened from its copy in "
                               f"{scratch_dir}): {message}")
         self._keep_system_libraries()
+        _warn_of_unique_symbols(model, path, self._copy)
         try:
             self._check_api_version(model, path)
             infer = self._symbol("nereid_infer")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nereid.backends.elf_files import LinkNames, elf_cut_short, link_names, needed_libraries
+from nereid.backends.elf_files import LinkNames, elf_cut_short, link_names, needed_libraries, unique_symbols
 
 CC = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("c++")
 
@@ -153,3 +153,31 @@ def test_the_search_folders_a_library_was_linked_with_are_read_as_written(tmp_pa
     folders = ["$ORIGIN/lib", "/opt/vendor/lib"]
     assert (names.runpath, names.rpath) == ((folders, []) if kind == "runpath" else (None, folders))
     assert link_names(str(tmp_path / "model.c")) == LinkNames()  # no ELF file: nothing needed, nowhere
+
+
+CXX = shutil.which(os.environ.get("CXX", "c++"))
+INLINE_STATIC = """#include <vector>
+inline std::vector<float>& table() { static std::vector<float> t(8, 1.5f); return t; }
+extern "C" float first() { return table()[0]; }
+"""
+
+
+def _gcc(compiler: str | None) -> bool:
+    return compiler is not None and "clang" not in subprocess.run([compiler, "--version"], capture_output=True,
+                                                                  text=True).stdout.lower()
+
+
+@pytest.mark.skipif(not _gcc(CXX), reason="needs GCC's C++ compiler (clang makes no STB_GNU_UNIQUE symbols)")
+def test_the_symbols_bound_process_wide_are_those_gcc_made_unique(tmp_path: Path) -> None:
+    """The statics of inline functions, which GCC binds STB_GNU_UNIQUE unless told -fno-gnu-unique (the
+    native-models hunt: a reload of such a library kept serving its first load's objects, unsaid)."""
+    (tmp_path / "table.cpp").write_text(INLINE_STATIC)
+    for flags, name in (([], "libunique.so"), (["-fno-gnu-unique"], "libplain.so")):
+        subprocess.run([CXX, "-shared", "-fPIC", *flags, "-o", str(tmp_path / name), str(tmp_path / "table.cpp")],
+                       check=True, capture_output=True, timeout=120)
+    assert sorted(unique_symbols(str(tmp_path / "libunique.so"))) == ["_ZGVZ5tablevE1t", "_ZZ5tablevE1t"]
+    assert unique_symbols(str(tmp_path / "libplain.so")) == []
+    assert unique_symbols(str(tmp_path / "table.cpp")) == []  # no ELF file
+    whole = (tmp_path / "libunique.so").read_bytes()
+    (tmp_path / "libunique.so").write_bytes(whole[:len(whole) // 3])  # cut short, its section headers gone
+    assert unique_symbols(str(tmp_path / "libunique.so")) == []

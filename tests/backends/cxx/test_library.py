@@ -384,6 +384,39 @@ def test_a_library_that_crashes_the_process_says_where(repo, tmp_path, caplog):
     assert f"model 'plain': opening shared library {tmp_path / 'libplain.so'}" in caplog.text
 
 
+UNIQUE_STATIC = r'''
+#include <cstddef>
+#include <vector>
+inline std::vector<float>& table() { static std::vector<float> t(8, 1.5f); return t; }
+extern "C" int nereid_infer(void*, const void*, size_t, void*, size_t, char*, size_t) { return table().size() != 8; }
+'''
+
+
+@pytest.mark.skipif(CXX is None or "clang" in os.path.basename(os.path.realpath(CXX)),
+                    reason="needs GCC's C++ compiler")
+def test_a_library_with_statics_bound_process_wide_is_loaded_with_a_warning_that_says_so(tmp_path, caplog):
+    """Found by the native-models hunt: a prebuilt library built without -fno-gnu-unique (CMake's default) served
+    its first load's objects after it was rebuilt and reloaded, and two models loading it shared them, unsaid."""
+    import subprocess as sp
+
+    from nereid.backends.cxx.library import NativeLibrary
+
+    (tmp_path / "table.cpp").write_text(UNIQUE_STATIC)
+    (tmp_path / "scratch").mkdir()
+    for flags, name in (([], "libunique.so"), (["-fno-gnu-unique"], "libplain.so")):
+        sp.run([CXX, "-shared", "-fPIC", *flags, str(tmp_path / "table.cpp"), "-o", str(tmp_path / name)],
+               check=True)
+    caplog.set_level(logging.WARNING, logger="nereid.backends.cxx.library")
+    NativeLibrary("plain", tmp_path / "libplain.so", tmp_path / "scratch").close()
+    assert not caplog.records
+    NativeLibrary("unique", tmp_path / "libunique.so", tmp_path / "scratch").close()
+    [said] = caplog.messages
+    assert said.startswith(f"model 'unique': shared library {tmp_path / 'libunique.so'} defines 2 symbol(s) the "
+                           "loader binds process-wide (STB_GNU_UNIQUE, GCC's for the statics of inline functions "
+                           "and templates: "), said
+    assert "table()::t" in said and said.endswith("build it with -fno-gnu-unique")
+
+
 THROWING_LOAD = r'''
 #include <cstddef>
 #include <stdexcept>
