@@ -21,7 +21,7 @@ from nereid.errors import ConfigError
 from nereid.files import NAME_MAX, decode_text, folder_gone, is_model_folder_name, read_regular_file
 from nereid.listening import host_and_port
 from nereid.storage.mirror import mirror_root
-from nereid.storage.url import parse_store_url
+from nereid.storage.url import UserInfoInURL, parse_store_url
 from nereid.tls import TlsFileError, TlsSettings, read_tls_material
 from nereid.triton_hints import yaml_key_hints
 
@@ -458,6 +458,9 @@ def _parse_server(reader: KeyedReader, raw: Any, path: Path, read_tls: bool = Tr
         reader.fail("server.ml_backends_path", "must name a folder or a bucket, not be empty", backends_text)
     try:
         location = parse_store_url(backends_text)
+    except UserInfoInURL as err:  # (quoted without its secret)
+        reader.fail("server.ml_backends_path", str(err), re.sub(r"(://)[^/?#]*@", r"\1<user:password>@",
+                                                                backends_text, count=1))
     except ValueError as err:
         reader.fail("server.ml_backends_path", str(err), backends_text)
     cache_dir = _cache_dir(reader, section, path, needed=location is not None)

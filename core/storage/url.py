@@ -48,10 +48,15 @@ class StoreURL:
         return f"{readable}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
 
 
+class UserInfoInURL(ValueError):
+    """A store URL holding ``user:password@`` before its bucket: its refusal must not quote it."""
+
+
 def parse_store_url(text: str) -> StoreURL | None:
     """The StoreURL of ``text``, or None when it is not an object-store URL (a local path).
 
-    Raises ValueError for a URL of an unknown scheme or without a bucket.
+    Raises ValueError for a URL of an unknown scheme or without a bucket; UserInfoInURL for one holding a user
+    name or password.
     """
     if "://" not in text:
         return None
@@ -64,6 +69,14 @@ def parse_store_url(text: str) -> StoreURL | None:
                          f"{', '.join(s + '://' for s in SCHEMES)})")
     if not match.group("bucket"):
         raise ValueError("names no bucket")
+    if "@" in match.group("bucket") or ":" in match.group("bucket"):
+        # "s3://key:secret@bucket" (Hadoop's s3a, smart_open and DVC take it): the store client dropped the
+        # credentials and read the environment's, and the URL, secret included, was in every message of the
+        # store, clients' included, and in the cache's folder name (the secrets hunt). No bucket name holds these.
+        raise UserInfoInURL("holds a user name, a password or a port with its bucket ('user:password@bucket', "
+                            "'bucket:443'); a store's credentials go in its environment variables "
+                            "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, GOOGLE_SERVICE_ACCOUNT, "
+                            "AZURE_STORAGE_ACCOUNT_KEY...), its address in its endpoint's (AWS_ENDPOINT_URL...)")
     prefix = "/".join(p for p in (match.group("path") or "").split("/") if p)
     if any(p in (".", "..") for p in prefix.split("/")):
         raise ValueError("must not hold '.' or '..' path segments")

@@ -105,6 +105,9 @@ def refusal(root: Path, body: str) -> tuple[Path, str]:
     ("backends: false\n", "backends", "false"),
     ("backends: []\n", "backends", "[]"),
     ("backends: ''\n", "backends", "''"),
+    # (The secrets hunt: a store URL's credentials were dropped unsaid, then shown in every store message.)
+    ('server:\n  ml_backends_path: "s3://AKIAX:s3cr3t@models/prod"\n', "server.ml_backends_path",
+     "'s3://<user:password>@models/prod'"),
     # (The config hunt: a NUL in a path was a traceback ending "ValueError: embedded null byte".)
     ('server:\n  ml_backends_path: "s3://b/p"\n  cache_dir: "/tmp/x\\0y"\n', "server.cache_dir", "'/tmp/x\\x00y'"),
     ('server:\n  ml_backends_path: "m\\0x"\n', "server.ml_backends_path", "'m\\x00x'"),
