@@ -39,6 +39,13 @@ class ClientPaths:
                        reverse=True)
         self._versions = re.compile("(" + "|".join(map(re.escape, roots)) + r")([^/]+)/" + re.escape(VERSIONS_FOLDER)
                                     + r"/[0-9a-f]{16}(?:-[0-9a-f]{8})?/\2(?=/|$|[\s'\":,;)\]])")
+        # The folders themselves, named alone ("ml_backends_path /srv/models: cannot list it", a RepositoryIndex
+        # reason): the prefixes above match only what lies inside them (the secrets hunt).
+        folders = {str(ml_backends_path.resolve()): "<ml_backends_path>", str(ml_backends_path): "<ml_backends_path>",
+                   str(scratch_dir): "<scratch>"}
+        self._folders = [(re.compile(r"(?<![\w/.~-])" + re.escape(folder) + r"(?=$|[\s'\":,;)\]])"), name)
+                         for folder, name in sorted(folders.items(), key=lambda pair: -len(pair[0]))
+                         if os.path.isabs(folder)]
 
     def public_text(self, text: str) -> str:
         """``text`` fit for clients: paths relative to ml_backends_path (or nereid.yaml's folder), capped.
@@ -49,6 +56,8 @@ class ClientPaths:
         if isinstance(text, PublicText):
             return cap_message(text.plain())
         text = self._versions.sub(r"\1\2", text)
+        for folder, name in self._folders:
+            text = folder.sub(name, text)
         for prefix, replacement in self._prefixes:
             text = text.replace(prefix, replacement)
         return cap_message(text)

@@ -34,6 +34,17 @@ def test_each_private_folder_is_rewritten_and_ml_backends_path_wins_over_the_fol
         f"<nereid>/backends{sep}xla{sep}model.py")  # a wheel's layout: inside nereid's folder
 
 
+def test_a_private_folder_named_alone_is_named_by_its_setting(tmp_path):
+    """The secrets hunt: "ml_backends_path /srv/models: cannot list it", a RepositoryIndex reason, showed clients
+    the folder itself, which only the paths inside it were rewritten from."""
+    clients, root, scratch = paths(tmp_path)
+    assert clients.public_text(f"ml_backends_path {root}: cannot list it: No such file or directory") == (
+        "ml_backends_path <ml_backends_path>: cannot list it: No such file or directory")
+    assert clients.public_text(f"cannot write '{scratch}' (full)") == "cannot write '<scratch>' (full)"
+    # A longer name that only starts with it, or a path that only ends with it, is another folder.
+    assert "<ml_backends_path>" not in clients.public_text(f"{root}2: x") + clients.public_text(f"/mnt{root}: x")
+
+
 def test_a_symlinked_ml_backends_path_is_rewritten_as_written_and_as_resolved(tmp_path):
     real = tmp_path / "real"
     real.mkdir()
