@@ -32,6 +32,9 @@ class ClientPaths:
             # Where nereid itself is installed (a traceback through a backend names its files).
             (f"{Path(nereid.__file__).resolve().parent}{os.sep}", "<nereid>/"),
             (f"{_backends_folder()}{os.sep}", "<nereid.backends>/"),
+            # And the interpreter's own: a python model's traceback through json or numpy named the service
+            # user's home and the Python build (the secrets hunt).
+            *_interpreter_folders(),
         }, key=lambda pair: -len(pair[0]))
         # A version folder of a model from an object store (<root>/<m>/.nereid-versions/<id>/<m>, see
         # nereid.storage.mirror) reads as the model's folder, <m>, as a local folder's would.
@@ -61,6 +64,22 @@ class ClientPaths:
         for prefix, replacement in self._prefixes:
             text = text.replace(prefix, replacement)
         return cap_message(text)
+
+
+def _interpreter_folders() -> set[tuple[str, str]]:
+    """This interpreter's standard library folders, as ``<python>/``, and its site-packages, as
+    ``<site-packages>/`` (each as named and resolved)."""
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    sites = {paths.get("purelib"), paths.get("platlib"), *site.getsitepackages()}
+    if site.ENABLE_USER_SITE:
+        sites.add(site.getusersitepackages())
+    named = {(folder, "<python>/") for folder in (paths.get("stdlib"), paths.get("platstdlib"))}
+    named |= {(folder, "<site-packages>/") for folder in sites}
+    return {(f"{form}{os.sep}", name) for folder, name in named if folder
+            for form in (folder, os.path.realpath(folder))}
 
 
 def _backends_folder() -> Path:

@@ -45,6 +45,19 @@ def test_a_private_folder_named_alone_is_named_by_its_setting(tmp_path):
     assert "<ml_backends_path>" not in clients.public_text(f"{root}2: x") + clients.public_text(f"/mnt{root}: x")
 
 
+def test_the_interpreter_s_own_folders_are_named_by_what_they_are(tmp_path):
+    """The secrets hunt: a python model's traceback through json (or numpy) showed clients the service user's home
+    and the Python build."""
+    import json
+
+    import numpy
+
+    clients, _, _ = paths(tmp_path)
+    sep = os.sep
+    assert clients.public_text(f'File "{json.__file__}", line 3') == f'File "<python>/json{sep}__init__.py", line 3'
+    assert clients.public_text(f'File "{numpy.__file__}"') == f'File "<site-packages>/numpy{sep}__init__.py"'
+
+
 def test_a_symlinked_ml_backends_path_is_rewritten_as_written_and_as_resolved(tmp_path):
     real = tmp_path / "real"
     real.mkdir()
