@@ -405,6 +405,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
     problems = 0
     config_problems = 0  # the backends: section's, counted apart: they are no model's
     listing_problem = ""  # why the model folders could not be listed, when that leaves nothing to check
+    waiting = 0  # listed models whose folders are not there (yet)
     # A stop the console script recorded (see nereid.entry) acts from here, right before the check's own handlers
     # go in: redelivered after the command line was read, one during nereid.yaml's reading gave a Ctrl-C traceback,
     # and as PID 1 a SIGTERM was dropped (the hunt of the redelivery).
@@ -475,6 +476,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
                 print(checked.line())
         for model in settings.models:
             if model.name not in states:  # listed before its folder, as dynamic mode allows
+                waiting += 1
                 states[model.name] = ("UNAVAILABLE", waiting_for_folder(model.name))
                 print(one_record_per_line(f"{model.name}: WAITING: {waiting_for_folder(model.name)} (server.watch "
                                           "loads it when the folder lands; the server is not ready until then)"))
@@ -504,7 +506,13 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
         summary.append(f"{problems} model(s) with problems")
     if manager.problems:
         summary.append(f"{len(manager.problems)} plugin problem(s)")
-    print(one_record_per_line(f"{settings.source}: {', '.join(summary) or 'OK'}"))
+    verdict = ", ".join(summary) or "OK"
+    if waiting:
+        # (Not a problem: dynamic mode allows it. But a typo in a name reads the same, and the server is not ready
+        # until the folder lands: said in the verdict, where it read "OK" alone; the CLI hunt.)
+        verdict += (f" ({waiting} listed model(s) waiting for their folders: the server is not ready until they "
+                    "land)")
+    print(one_record_per_line(f"{settings.source}: {verdict}"))
     return 1 if problems or config_problems or listing_problem or manager.problems else 0
 
 

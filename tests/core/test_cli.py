@@ -98,8 +98,13 @@ def test_check_shows_a_model_listed_before_its_folder_in_dynamic_mode(repo, caps
     settings = load_settings(repo.write_config("- name: steady\n- name: ghost\n",
                                                server_extra="  watch: true\n"))
     assert check(settings, make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,))) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert ("ghost: WAITING: waiting for its folder 'ghost' in ml_backends_path (server.watch loads it when the "
-            "folder lands; the server is not ready until then)") in capsys.readouterr().out.splitlines()
+            "folder lands; the server is not ready until then)") in lines
+    # (The verdict said "OK" alone, as though the server would be ready: a typo in a name reads the same; the CLI
+    # hunt.)
+    assert lines[-1] == (f"{settings.source}: OK (1 listed model(s) waiting for their folders: the server is not "
+                         "ready until they land)")
 
 
 @pytest.mark.parametrize("command", ["check", "serve"])
