@@ -406,6 +406,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
     config_problems = 0  # the backends: section's, counted apart: they are no model's
     listing_problem = ""  # why the model folders could not be listed, when that leaves nothing to check
     waiting = 0  # listed models whose folders are not there (yet)
+    names: list[str] = []  # the model folders checked
     # A stop the console script recorded (see nereid.entry) acts from here, right before the check's own handlers
     # go in: redelivered after the command line was read, one during nereid.yaml's reading gave a Ctrl-C traceback,
     # and as PID 1 a SIGTERM was dropped (the hunt of the redelivery).
@@ -507,6 +508,8 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
     if manager.problems:
         summary.append(f"{len(manager.problems)} plugin problem(s)")
     verdict = ", ".join(summary) or "OK"
+    if not names and not waiting and not summary:  # (an empty volume mount, a path's typo: "OK" alone; the CLI hunt)
+        verdict += f" (no model folders in {settings.server.ml_backends_url or settings.server.ml_backends_path})"
     if waiting:
         # (Not a problem: dynamic mode allows it. But a typo in a name reads the same, and the server is not ready
         # until the folder lands: said in the verdict, where it read "OK" alone; the CLI hunt.)

@@ -308,6 +308,11 @@ class NereidServer:
                 log.info("dynamic repository: polling %s every %g s and watching %s (settle %g ms)",
                          server.ml_backends_url, server.watch_poll_s, self.settings.source, server.watch_settle_ms)
         starting = self.repository.startup_models()
+        if not starting and not self.repository.entries() and not self.repository.waiting_for_listing():
+            # (An empty volume mount or a path's typo served nothing, ready, unsaid; the CLI hunt.)
+            log.warning("no model folders in %s: the server is ready and serves no model%s",
+                        self.settings.server.ml_backends_url or self.settings.server.ml_backends_path,
+                        " until one is copied in (server.watch)" if self.settings.server.watch else "")
         unlisted = sorted({entry.name for entry in self.repository.entries()} - set(starting))
         if unlisted:  # (their index entries say it too; a folder dropped in under a watch, then a restart)
             log.info("not listed in %s, so not loaded: %s (%s)", self.settings.config_name,

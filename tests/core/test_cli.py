@@ -107,6 +107,17 @@ def test_check_shows_a_model_listed_before_its_folder_in_dynamic_mode(repo, caps
                          "ready until they land)")
 
 
+def test_check_of_a_repository_without_model_folders_says_so_in_its_verdict(repo, capsys) -> None:
+    """The CLI hunt: an empty volume mount or a typo in ml_backends_path got "OK" alone."""
+    from nereid.cli import check
+    from nereid.plugins import make_plugin_manager
+    from nereid.settings import load_settings
+
+    settings = load_settings(repo.write_config())
+    assert check(settings, make_plugin_manager(load_entry_points=False, extra_plugins=(toy_backends,))) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"{settings.source}: OK (no model folders in {repo.models_dir})"
+
+
 @pytest.mark.parametrize("command", ["check", "serve"])
 def test_a_config_error_quoting_a_line_break_or_an_escape_cannot_forge_a_line(repo, capsys, command: str) -> None:
     """Found by a bug hunt: nereid.yaml's errors were printed as they were, so a model name holding a line break

@@ -158,6 +158,17 @@ def test_each_change_of_readiness_is_logged_with_what_holds_it_back(repo, serve,
         "said again though nothing changed"
 
 
+@pytest.mark.parametrize("watch", [False, True])
+def test_a_repository_without_model_folders_serves_ready_and_says_it_serves_nothing(repo, serve, caplog, watch):
+    """The CLI hunt: an empty volume mount or a typo in ml_backends_path served nothing, ready, unsaid."""
+    caplog.set_level(logging.INFO, "nereid.server")
+    server = serve(repo.write_config(server_extra="  watch: true\n" if watch else ""), manager=manager())
+    assert server.client.is_server_ready()
+    until = " until one is copied in (server.watch)" if watch else ""
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"no model folders in {repo.models_dir}: the server is ready and serves no model{until}"]
+
+
 def test_a_folder_added_after_the_start_without_a_models_key_or_a_watch_says_so(repo, serve):
     """Found by a bug hunt: it said "not listed in nereid.yaml", of a nereid.yaml that lists nothing (with no
     models: key every folder loads at start)."""
