@@ -24,9 +24,10 @@ def not_ignored(*signums: signal.Signals) -> list[signal.Signals]:
 
 
 def stop_signals() -> list[signal.Signals]:
-    """The signals a ``nereid`` process stops on: SIGTERM, SIGINT, and SIGHUP (a closed terminal, a dropped ssh
-    session) unless it was started ignoring it (``nohup``)."""
-    return [signal.SIGTERM, signal.SIGINT, *not_ignored(signal.SIGHUP)]
+    """The signals a ``nereid`` process stops on: SIGTERM, and SIGINT and SIGHUP (a closed terminal, a dropped ssh
+    session) unless it was started ignoring them (``nereid serve &`` in a script, ``nohup``; serve drained on an
+    ignored SIGINT, where check went on: the CLI hunt)."""
+    return [signal.SIGTERM, *not_ignored(signal.SIGINT, signal.SIGHUP)]
 
 
 # Stop signals that came while ``nereid serve`` imported what it serves with, and the handlers they replaced (see

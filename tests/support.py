@@ -221,11 +221,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def nereid_serve(config: Path, *extra_args: str, ignore_sighup: bool = False):
+def nereid_serve(config: Path, *extra_args: str, ignore_sighup: bool = False, ignore_sigint: bool = False):
     """``nereid serve`` (with ``extra_args``) in its own process, ready; yields (process, client). Killed if still
-    running. ``ignore_sighup`` starts it as ``nohup`` does (which execs it: the pid is the server's)."""
+    running. ``ignore_sighup`` starts it as ``nohup`` does (which execs it: the pid is the server's);
+    ``ignore_sigint`` as a script's shell starts a job in the background (``nereid serve &``), SIGINT ignored."""
     port = free_port()
-    process = subprocess.Popen([*(["nohup"] if ignore_sighup else []), *NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}",
+    starter = [*(["nohup"] if ignore_sighup else []),
+               *(["sh", "-c", 'trap "" INT; exec "$@"', "sh"] if ignore_sigint else [])]
+    process = subprocess.Popen([*starter, *NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{port}",
                                 *extra_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = triton.InferenceServerClient(f"127.0.0.1:{port}")

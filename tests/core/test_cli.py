@@ -249,11 +249,14 @@ def test_a_shutdown_delay_reports_not_ready_and_serves_on_before_the_drain(repo)
     assert re.search(r"nereid listening on 127\.0\.0\.1:[1-9][0-9]* \(plaintext", output), output
 
 
-def test_serve_started_with_sighup_ignored_keeps_serving_through_one(repo) -> None:
-    """``nohup nereid serve``: whoever started it asked for hangups to be ignored, and they stay so."""
+@pytest.mark.parametrize("ignored", [signal.SIGHUP, signal.SIGINT])
+def test_serve_started_with_a_stop_signal_ignored_keeps_serving_through_one(repo, ignored) -> None:
+    """``nohup nereid serve``: whoever started it asked for hangups to be ignored, and they stay so. So does an
+    interrupt, for ``nereid serve &`` in a script (the CLI hunt: serve drained on it, where check went on)."""
     repo.python("echo")
-    with nereid_serve(repo.write_config(), ignore_sighup=True) as (process, client):
-        process.send_signal(signal.SIGHUP)
+    with nereid_serve(repo.write_config(), ignore_sighup=ignored == signal.SIGHUP,
+                      ignore_sigint=ignored == signal.SIGINT) as (process, client):
+        process.send_signal(ignored)
         time.sleep(0.5)
         assert process.poll() is None and client.is_model_ready("echo")
         process.send_signal(signal.SIGTERM)
