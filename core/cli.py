@@ -185,6 +185,12 @@ def _serve_command(args: argparse.Namespace, manager: NereidPluginManager) -> in
 def _read_settings(config: Path, listeners: Listeners) -> Settings | None:
     """nereid.yaml, its addresses checked for clashes with ``listeners``' in place; None (after the error on
     stderr) when it cannot be used."""
+    if config == DEFAULT_CONFIG and not os.path.lexists(config):
+        # (It said "nereid.yaml: cannot read: No such file or directory": of which folder, and what to do? The CLI
+        # hunt.)
+        print(one_record_per_line(f"error: no {DEFAULT_CONFIG_NAME} in {_working_folder()} (run nereid in the folder "
+                                  f"that holds it, or give --config FILE)"), file=sys.stderr)
+        return None
     try:
         settings = load_settings(config)
         if (clash := listeners.clash(settings.server, settings.source)) is not None:
@@ -193,6 +199,13 @@ def _read_settings(config: Path, listeners: Listeners) -> Settings | None:
         print(one_record_per_line(f"error: {err}"), file=sys.stderr)
         return None
     return settings
+
+
+def _working_folder() -> str:
+    try:
+        return os.getcwd()
+    except OSError:  # (removed under the shell)
+        return "the working folder (which is gone)"
 
 
 def _report_crashes() -> None:

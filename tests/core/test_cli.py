@@ -107,6 +107,18 @@ def test_check_shows_a_model_listed_before_its_folder_in_dynamic_mode(repo, caps
                          "ready until they land)")
 
 
+@pytest.mark.parametrize("command", ["check", "serve"])
+def test_a_folder_without_nereid_yaml_is_named_with_what_to_do(tmp_path, monkeypatch, capsys, command) -> None:
+    """The CLI hunt: "error: nereid.yaml: cannot read: No such file or directory" named neither the folder looked
+    in nor the way out."""
+    from nereid.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([command]) == 2
+    assert capsys.readouterr().err == (f"error: no nereid.yaml in {tmp_path} (run nereid in the folder that holds it, "
+                                       "or give --config FILE)\n")
+
+
 def test_check_of_a_repository_without_model_folders_says_so_in_its_verdict(repo, capsys) -> None:
     """The CLI hunt: an empty volume mount or a typo in ml_backends_path got "OK" alone."""
     from nereid.cli import check
