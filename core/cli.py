@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None, extra_plugins: tuple[object, ...] = ()) 
     serve.add_argument("--metrics-bind", default=None, type=_listener_address, metavar="ADDR",
                        help='override server.metrics_addr (host:port; "" turns /metrics off)')
     # Checked here, so that a misspelt level is a usage error listing the levels, not a traceback from logging.
-    serve.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
-                       help=f"logging level: {', '.join(LOG_LEVELS)} (any case; default INFO)")
+    serve.add_argument("--log-level", default="INFO", type=_log_level, choices=LOG_LEVELS, metavar="LEVEL",
+                       help=f"logging level: {', '.join(LOG_LEVELS)} (any case, WARN too; default INFO)")
     # Configured before the plugins load (their commands must be known to parse the command line), so that a
     # plugin left out is logged as an ERROR line; serve's --log-level applies once parsed.
     logging.basicConfig(level=logging.WARNING, handlers=[stderr_handler()])
@@ -180,6 +180,13 @@ def _serve_command(args: argparse.Namespace, manager: NereidPluginManager) -> in
     if settings is None:
         return 2
     return serve_command(settings, listeners, manager)
+
+
+def _log_level(text: str) -> str:
+    """A --log-level in any case, Python's own alias WARN taken for WARNING (it was refused as "invalid choice:
+    'WARN'", a spelling the user never typed: the CLI hunt)."""
+    level = text.upper()
+    return "WARNING" if level == "WARN" else level
 
 
 def _read_settings(config: Path, listeners: Listeners) -> Settings | None:

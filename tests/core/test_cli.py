@@ -831,6 +831,14 @@ def test_serve_refuses_an_unknown_log_level_with_a_usage_error(repo, capsys) -> 
             "'CRITICAL')") in capsys.readouterr().err
 
 
+def test_warn_is_taken_for_warning_as_python_s_logging_takes_it(capsys) -> None:
+    """The CLI hunt: --log-level warn was refused as "invalid choice: 'WARN'", a spelling the user never typed."""
+    from nereid.cli import _log_level
+
+    assert [_log_level(text) for text in ("warn", "WARN", "Warning", "debug")] == [
+        "WARNING", "WARNING", "WARNING", "DEBUG"]
+
+
 def test_backend_defaults_are_blamed_where_they_are_written(repo) -> None:
     repo.python("a")
     config = repo.write_config("- name: a\n")
