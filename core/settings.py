@@ -284,12 +284,23 @@ class Listeners:
             hosts = _interfaces(host)
             for other_port, other_hosts, other_address, other_origin in seen:
                 if port == other_port and _overlap(hosts, other_hosts):
-                    # (Two flags are no mistake of the file's: its name led the message to the wrong place.)
-                    from_file = str(source) and not (origin.startswith("--") and other_origin.startswith("--"))
-                    return (f"{f'{source}: ' if from_file else ''}{origin}: {address} would take the port that "
-                            f"{other_origin} ({other_address}) takes; each listener needs an address of its own")
+                    return _clash_message(str(source), (origin, address), (other_origin, other_address))
             seen.append((port, hosts, address, origin))
         return None
+
+
+def _clash_message(source: str, one: tuple[str, str], other: tuple[str, str]) -> str:
+    """The message of two listeners (each ``(origin, address)``: a key of the configuration file ``source``, or a
+    flag) that would take one port. A flag's side is told first and the file named only before its own key:
+    "prod.yaml: --http-bind: ..." read as a key of the file (the CLI hunt)."""
+    if one[0].startswith("--") == other[0].startswith("--"):  # two keys of the file, or two flags
+        where = f"{source}: " if source and not one[0].startswith("--") else ""
+        (origin, address), (other_origin, other_address) = one, other
+    else:
+        (origin, address), (other_origin, other_address) = (one, other) if one[0].startswith("--") else (other, one)
+        where, other_origin = "", f"{source}'s {other_origin}" if source else other_origin
+    return (f"{where}{origin}: {address} would take the port that {other_origin} ({other_address}) takes; each "
+            "listener needs an address of its own")
 
 
 def _interfaces(host: str) -> frozenset[str]:

@@ -450,8 +450,13 @@ def test_a_clash_names_the_configuration_file_only_when_one_of_its_keys_is_in_it
     flags = Listeners(bind_addr="127.0.0.1:8000", http_addr="127.0.0.1:8000")
     assert flags.clash(server, "prod.yaml") == ("--http-bind: 127.0.0.1:8000 would take the port that --bind "
                                                 "(127.0.0.1:8000) takes; each listener needs an address of its own")
+    # A flag and a key: the file names its key alone ("prod.yaml: --http-bind: ..." read as a key of the file; the
+    # CLI hunt).
     assert Listeners(http_addr="127.0.0.1:9000").clash(server, "prod.yaml") == (
-        "prod.yaml: --http-bind: 127.0.0.1:9000 would take the port that server.bind_addr (127.0.0.1:9000) takes; "
+        "--http-bind: 127.0.0.1:9000 would take the port that prod.yaml's server.bind_addr (127.0.0.1:9000) takes; "
+        "each listener needs an address of its own")
+    assert Listeners(bind_addr="127.0.0.1:9001").clash(server, "prod.yaml") == (
+        "--bind: 127.0.0.1:9001 would take the port that prod.yaml's server.http_addr (127.0.0.1:9001) takes; "
         "each listener needs an address of its own")
 
 
