@@ -200,8 +200,8 @@ def unique_symbols(path: str) -> list[str]:
     the function-local statics of inline functions and templates, unless built with -fno-gnu-unique), in order;
     [] for a file that is no readable, regular ELF file, or one whose dynamic symbol table cannot be read.
 
-    The loader binds each process-wide, and never unmaps the library that holds one: a reload of a rebuilt
-    library runs the first one's code, and its objects are shared with every library defining them.
+    The loader binds each process-wide, and never unmaps the library that holds one: the objects of its first load
+    outlive a reload of a rebuilt library, and are shared with every library defining them.
     """
     fd = _opened(path)
     if fd is None:
