@@ -354,6 +354,20 @@ extern "C" int nereid_infer(void*, const void*, size_t, void*, size_t, char*, si
 '''
 
 
+def _checked_crashing(repo, tmp_path: Path, model: str, source_text: str) -> subprocess.CompletedProcess:
+    """`nereid check` of a cxx model ``model`` whose library, built from ``source_text``, crashes the process;
+    asserts that the check failed, and returns it."""
+    source = tmp_path / f"{model}.cpp"
+    source.write_text(source_text)
+    library = tmp_path / f"lib{model}.so"
+    subprocess.run([CXX, "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    scale_model(repo, model)
+    config = repo.write_config(entry(model, f'{{library: "{library}"}}'))
+    result = subprocess.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    return result
+
+
 @pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
 def test_a_library_that_crashes_the_process_says_where(repo, tmp_path, caplog):
     """Found by a bug hunt: a cxx library whose static constructor crashed (or exited) ended `nereid check` and
@@ -361,14 +375,7 @@ def test_a_library_that_crashes_the_process_says_where(repo, tmp_path, caplog):
     says which library it opens before it runs any of its code, and a crash prints every thread's stack."""
     import subprocess as sp
 
-    source = tmp_path / "crash.cpp"
-    source.write_text(CRASHING_CONSTRUCTOR)
-    library = tmp_path / "libcrash.so"
-    sp.run([CXX, "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
-    scale_model(repo, "crash")
-    config = repo.write_config(entry("crash", f'{{library: "{library}"}}'))
-    result = sp.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
+    result = _checked_crashing(repo, tmp_path, "crash", CRASHING_CONSTRUCTOR)
     assert "Fatal Python error: Segmentation fault" in result.stderr, result.stderr
     assert "nereid/backends/cxx/library.py" in result.stderr or "backends/cxx/library.py" in result.stderr
     # The server's log names the model before the library's code runs (here without crashing: the test
@@ -429,16 +436,7 @@ extern "C" int nereid_infer(void*, const void*, size_t, void*, size_t, char*, si
 def test_a_crash_inside_a_library_s_call_names_the_model_in_the_crash_trace(repo, tmp_path):
     """Found by the native-models hunt: a C++ exception thrown out of a call (terminate, then SIGABRT) left a trace
     of nereid's own frames only, the same for every cxx model: the calls go through a frame of the model's name."""
-    import subprocess as sp
-
-    source = tmp_path / "throw.cpp"
-    source.write_text(THROWING_LOAD)
-    library = tmp_path / "libthrow.so"
-    sp.run([CXX, "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
-    scale_model(repo, "thrower")
-    config = repo.write_config(entry("thrower", f'{{library: "{library}"}}'))
-    result = sp.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
+    result = _checked_crashing(repo, tmp_path, "thrower", THROWING_LOAD)
     assert "what():  boom" in result.stderr and "Fatal Python error: Aborted" in result.stderr, result.stderr
     assert 'File "<cxx model \'thrower\'>", line 2 in call' in result.stderr, result.stderr
 
