@@ -647,13 +647,17 @@ def test_an_https_client_that_pipelined_a_request_and_left_is_seen_gone(folder, 
         assert lost and lost[0] - left < 1.5, (lost, left)
 
 
-def test_a_client_ca_too_weak_for_the_http_listener_is_refused_by_name(folder):
+@pytest.mark.parametrize("kind", ["RSA", "DSA"])
+def test_a_client_ca_too_weak_for_the_http_listener_is_refused_by_name(folder, kind):
     """Found by a bug hunt: with an RSA-1024 client CA, gRPC let its clients in while HTTPS (OpenSSL at its
-    default security level) refused them all, with nothing logged."""
+    default security level) refused them all, with nothing logged. A DSA one is told apart by its class's name:
+    cryptography 51 deprecates its dsa module, whose use in the check warned at every read of any files."""
+    import warnings
+
     from nereid.tls import TlsFileError, read_tls_material
 
     cert, key = Issuer(folder, "ca").leaf("server")
-    weak_key = rsa.generate_private_key(65537, 1024)
+    weak_key = rsa.generate_private_key(65537, 1024) if kind == "RSA" else dsa.generate_private_key(1024)
     weak = (x509.CertificateBuilder().subject_name(_name("weak-ca")).issuer_name(_name("weak-ca"))
             .public_key(weak_key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(NOW - DAY).not_valid_after(NOW + DAY)
@@ -661,9 +665,14 @@ def test_a_client_ca_too_weak_for_the_http_listener_is_refused_by_name(folder):
             .sign(weak_key, hashes.SHA256()))
     weak_ca = folder / "weak-ca.pem"
     weak_ca.write_bytes(weak.public_bytes(serialization.Encoding.PEM))
-    with pytest.raises(TlsFileError, match="certificate 'CN=weak-ca' has a 1024-bit RSA key, too weak") as refused:
+    with pytest.raises(TlsFileError, match=f"certificate 'CN=weak-ca' has a 1024-bit {kind} key, too weak") as \
+            refused, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         read_tls_material(TlsSettings(cert, key, weak_ca))
     assert refused.value.key == "client_ca"
+    # (A DSA key itself warns as cryptography 51 reads it, rightly: only the check of any other key must not.)
+    ours = [w for w in warned if w.filename.endswith(os.path.join("core", "tls.py"))]
+    assert not ours or kind == "DSA", [str(w) for w in ours]
 
 
 def test_a_server_key_too_weak_for_the_http_listener_is_refused_as_weak_not_as_a_mismatch(folder):
