@@ -1148,10 +1148,19 @@ class ModelRepository:
 
     async def _unlisted(self, name: str) -> ModelEntry:
         """Unload ``name``, which nereid.yaml no longer lists: its reason is then what a folder not listed at
-        start shows, not "unloaded" (which reads as an operator's unload)."""
+        start shows, not "unloaded" (which reads as an operator's unload). Listed again while its requests
+        drained, it is loaded once they have.
+
+        An edit listing it again found it still loaded (draining) and scheduled nothing, or a reload that found
+        it unloaded: it stayed unloaded for good, listed, with ServerReady true (the hunt of live edits)."""
         entry = await self.unload(name)
-        if entry.loaded is None and entry.state is ModelState.UNAVAILABLE and not served(self.settings, name):
+        if entry.loaded is None and entry.state is ModelState.UNAVAILABLE:
+            if served(self.settings, name):
+                log.info("model '%s' is served by %s again (listed again while it drained); loading it", name,
+                         self.settings.config_name)
+                return await self.load(name, counted=False)
             entry.reason = not_listed_reason(self.settings.config_name)
+            self._refresh_dependents()  # (theirs named it "unloaded", as though a client had: the same hunt)
         return entry
 
     async def _reload_entry(self, entry: ModelEntry) -> ModelEntry:

@@ -422,6 +422,37 @@ def test_removing_and_adding_the_models_key_serves_what_a_restart_would(repo, se
     assert index(server)["a"][0] == "READY" and generation(server, "a") == 1
 
 
+def slow_main(started: Path) -> str:
+    """:func:`version_main` of a model "slow" whose run says it started (writes ``started``), then takes 2 s."""
+    return version_main("slow").replace(
+        "sys.stdin.buffer.read()", f"sys.stdin.buffer.read()\nimport time\nopen({str(started)!r}, 'w').close()\n"
+                                   "time.sleep(2)")
+
+
+@pytest.mark.parametrize("entry", ["- name: slow\n", "- name: slow\n  queue_capacity: 7\n"])
+def test_a_model_listed_again_while_it_drains_is_loaded_once_it_has(repo, serve, entry, tmp_path):
+    """Defect (the hunt of live edits): unlisted while a request ran on it, then listed again before the request
+    ended (an edit undone, a flapping ConfigMap), the model stayed unloaded for good, listed, with ServerReady true:
+    the edit that listed it again found it still loaded and scheduled nothing (or a reload that found it gone)."""
+    write_model(repo.models_dir / "steady", "steady")
+    folder = repo.models_dir / "slow"
+    write_model(folder, "slow")
+    started = tmp_path / "started"
+    (folder / "main.py").write_text(slow_main(started))
+    listed = f"- name: steady\n{entry}"
+    config = repo.write_config(listed, server_extra=SETTLE)
+    server = serve(config)
+    running = threading.Thread(target=lambda: ask(triton.InferenceServerClient(server.url), "slow"))
+    running.start()
+    wait_for(started.exists)  # (its request runs)
+    repo.write_config("- name: steady\n", server_extra=SETTLE)
+    wait_for(lambda: index(server)["slow"][0] == "UNLOADING")
+    repo.write_config(listed, server_extra=SETTLE)
+    running.join(30)
+    wait_for(lambda: index(server)["slow"] == ("READY", ""))
+    assert ask(server.client, "slow")["version"] == "slow"
+
+
 @pytest.mark.parametrize("edit", ["unlisted", "no models key"])
 def test_a_model_listed_before_its_folder_is_forgotten_once_unlisted(repo, serve, edit):
     write_model(repo.models_dir / "real", "real")

@@ -508,6 +508,24 @@ def test_a_plain_def_orchestration_no_thread_could_start_for_is_unavailable_and_
     assert samples[("nereid_request_failure_total", (("model", "relay"), ("reason", "unavailable")))] == 1
 
 
+def test_a_dependency_unlisted_by_an_edit_is_named_not_listed_in_its_callers_reasons(repo, serve) -> None:
+    """Found by the hunt of live edits: once nereid.yaml no longer listed a model, its callers said it was "not
+    ready (UNAVAILABLE: unloaded)", as though a client had unloaded it, where the model itself said "not listed"."""
+    from support import wait_until
+
+    repo.python("echo")
+    add_meta(repo, "relay", RELAY.format(target="echo"), ["echo"])
+    watched = "  watch: true\n  watch_settle_ms: 100\n  strict_readiness: false\n"
+    server = serve(repo.write_config("- name: echo\n- name: relay\n", server_extra=watched))
+    assert server.client.is_model_ready("relay")
+    repo.write_config("- name: relay\n", server_extra=watched)
+    assert wait_until(lambda: "UNAVAILABLE" in index(server.client)["echo"].get("state", ""), 20)
+    assert wait_until(lambda: "not listed" in index(server.client)["relay"].get("reason", ""), 5), \
+        index(server.client)["relay"]
+    assert index(server.client)["relay"]["reason"].startswith("dependency 'echo' is not ready (UNAVAILABLE: not "
+                                                               "listed in nereid.yaml")
+
+
 def test_depends_on_readiness_cycles_and_bad_folders(repo, serve) -> None:
     repo.python("echo")
     add_meta(repo, "relay", RELAY.format(target="echo"), ["echo"])
