@@ -125,7 +125,20 @@ def _settings_from(look: ConfigLook, path: Path) -> Settings:
     settled are the ones applied."""
     if look.data is None:
         raise ConfigError(look.refusal or f"{path}: cannot read")
+    if _holds_nothing(look.data):
+        # Valid, and it would serve every folder with the defaults (all of them loaded, the listed ones reloaded
+        # with default settings): what a file truncated, its write still under way, reads as once its writer
+        # pauses past the settle time (the hunt of live edits). A start with it serves so; an edit is refused.
+        raise ConfigError(f"{path}: holds nothing (emptied, its writing still under way?); an edit that empties "
+                          "it is not applied: write the configuration to serve (a server started with an empty "
+                          "file serves every folder with the defaults)")
     return settings_from_bytes(look.data, path, read_tls=False)  # (server: keys wait for a restart)
+
+
+def _holds_nothing(data: bytes) -> bool:
+    """Whether ``data`` holds no YAML at all: nothing, or only blank lines and comments (a byte order mark aside)."""
+    text = data.removeprefix(b"\xef\xbb\xbf")
+    return all(not line.strip() or line.lstrip().startswith(b"#") for line in text.splitlines())
 
 
 @dataclass(frozen=True)

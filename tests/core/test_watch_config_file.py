@@ -101,6 +101,24 @@ def test_a_fifo_put_in_nereid_yaml_is_refused_once_and_the_watch_goes_on(repo, s
         assert not blocked_readers(held), "a thread waits in open() on the FIFO"
 
 
+@pytest.mark.parametrize("emptied", [b"", b"\n\n", b"# the configuration follows\n", b"\xef\xbb\xbf  \n"])
+def test_a_nereid_yaml_emptied_while_serving_is_refused_and_the_models_serve_on(repo, serve, caplog, emptied):
+    """The hunt of live edits: a file truncated, its writer pausing past the settle time, was applied as empty:
+    every folder loaded (a broken one too), every listed model reloaded with default settings."""
+    caplog.set_level(logging.INFO)
+    write_model(repo.models_dir / "first")
+    write_model(repo.models_dir / "unlisted")
+    config = repo.write_config("- name: first\n  queue_capacity: 7\n", server_extra=SETTLE)
+    text = config.read_text()
+    server = serve(config)
+    config.write_bytes(emptied)
+    assert wait_until(lambda: refusals(caplog, "holds nothing (emptied, its writing still under way?)"), PROMPT_S)
+    assert state(server, "unlisted") == "UNAVAILABLE"
+    assert server.server.repository.entry("first").loaded.scheduler.capacity == 7
+    config.write_text(text.replace("queue_capacity: 7", "queue_capacity: 5"))  # (its writing done)
+    assert wait_until(lambda: server.server.repository.entry("first").loaded.scheduler.capacity == 5, PROMPT_S)
+
+
 def test_a_server_with_a_fifo_in_nereid_yaml_exits_promptly_on_sigterm(repo):
     write_model(repo.models_dir / "first")
     config = repo.write_config(server_extra=SETTLE)
