@@ -15,6 +15,7 @@ and TLS sessions made before the change are not resumed after it.
 
 from __future__ import annotations
 
+import codecs
 import datetime
 import hashlib
 import logging
@@ -95,7 +96,10 @@ def read_tls_material(tls: TlsSettings) -> TlsMaterial:
                 raise TlsFileError(name, f"no such file {path}" if not path.exists() else f"{path} is not a file")
             if path.stat().st_size > MAX_PEM_BYTES:
                 raise TlsFileError(name, f"{path} is larger than {MAX_PEM_BYTES} bytes")
-            contents[name] = _without_bom(path.read_bytes())
+            # Without the UTF-8 byte order mark a Windows editor may put first, which OpenSSL skips and gRPC's
+            # BoringSSL does not: a client_ca saved so failed serve at gRPC's port, blaming server.bind_addr, and a
+            # cert or key was said to be of a kind gRPC cannot serve (the config hunt).
+            contents[name] = path.read_bytes().removeprefix(codecs.BOM_UTF8)
         except OSError as err:
             raise TlsFileError(name, f"cannot read {path}: {err.strerror or err}") from None
     if b"-----BEGIN CERTIFICATE-----" not in contents["cert"]:
@@ -226,13 +230,6 @@ def _warn_once(name: str, content: bytes, warning: str) -> None:
             return
         _warned.add(remembered)
     log.warning("%s", warning)
-
-
-def _without_bom(pem: bytes) -> bytes:
-    """``pem`` without the UTF-8 byte order mark a Windows editor may put first, which OpenSSL skips and gRPC's
-    BoringSSL does not: a client_ca saved so failed serve at gRPC's port, blaming server.bind_addr, and a cert or
-    key was said to be of a kind gRPC cannot serve (the config hunt)."""
-    return pem[3:] if pem.startswith(b"\xef\xbb\xbf") else pem
 
 
 def _grpc_serves(cert: bytes, key: bytes) -> bool:

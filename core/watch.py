@@ -48,12 +48,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from nereid.daemon_pool import on_io_thread, on_work_thread
-from nereid.config_document import same_values
+from nereid.config_document import load_yaml, same_values
 from nereid.errors import ConfigError, NotFound, Unavailable
 from nereid.file_events import Follow, RepositoryFollower
-from nereid.files import read_regular_file
+from nereid.files import decode_text, read_regular_file
 from nereid.folder_states import FolderState, moved_files_unloaded, plan_changes, scan_repository, scan_store
-from nereid.settings import MAX_CONFIG_BYTES, Settings, settings_from_bytes
+from nereid.settings import MAX_CONFIG_BYTES, Settings, parse_settings
 from nereid.settling import SettlingFolders
 from nereid.storage import StorageError, failure_kind, parse_store_url, store_failed
 from nereid.store_retries import StoreRetries
@@ -125,20 +125,16 @@ def _settings_from(look: ConfigLook, path: Path) -> Settings:
     settled are the ones applied."""
     if look.data is None:
         raise ConfigError(look.refusal or f"{path}: cannot read")
-    if _holds_nothing(look.data):
-        # Valid, and it would serve every folder with the defaults (all of them loaded, the listed ones reloaded
-        # with default settings): what a file truncated, its write still under way, reads as once its writer
-        # pauses past the settle time (the hunt of live edits). A start with it serves so; an edit is refused.
+    document = load_yaml(decode_text(look.data, path), path)
+    if document is None:
+        # No document (nothing, or blank lines and comments): valid, and it would serve every folder with the
+        # defaults (all of them loaded, the listed ones reloaded with default settings). It is what a file
+        # truncated, its write still under way, reads as once its writer pauses past the settle time (the hunt of
+        # live edits). A start with it serves so; an edit is refused.
         raise ConfigError(f"{path}: holds nothing (emptied, its writing still under way?); an edit that empties "
                           "it is not applied: write the configuration to serve (a server started with an empty "
                           "file serves every folder with the defaults)")
-    return settings_from_bytes(look.data, path, read_tls=False)  # (server: keys wait for a restart)
-
-
-def _holds_nothing(data: bytes) -> bool:
-    """Whether ``data`` holds no YAML at all: nothing, or only blank lines and comments (a byte order mark aside)."""
-    text = data.removeprefix(b"\xef\xbb\xbf")
-    return all(not line.strip() or line.lstrip().startswith(b"#") for line in text.splitlines())
+    return parse_settings(document, path, read_tls=False)  # (server: keys wait for a restart)
 
 
 @dataclass(frozen=True)

@@ -938,7 +938,7 @@ def _folder_lock(path: Path, wait: bool = True, url: str | None = None) -> Itera
             # (Not through a symlink, which would make or lock a file wherever it leads: ELOOP, removed below.)
             descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
         except OSError as err:
-            # Any other refusal (a full disk; a symlink into a folder not there, a mount not made yet?) is raised.
+            # Any other refusal (a full disk; its folder not there, a mount not made yet?) is raised.
             if err.errno not in (errno.EISDIR, errno.ELOOP) or not clearings:
                 raise
             clearings -= 1
