@@ -62,10 +62,6 @@ def _as_is(response: InferResponse) -> InferResponse:
     return response
 
 
-def _no_note(waiting: bool) -> None:
-    """A request that waits for room with no stream to pause (a meta model's sub-call)."""
-
-
 def past_grace_message(model: str) -> PublicText:
     """The answer of a request still running when ``shutdown_grace_s`` has passed, over either protocol (the
     model's name as the client sent it): called in the request's task, once it was cancelled. It says whether
@@ -421,20 +417,19 @@ class DataPlane:
     async def infer(self, request: InferRequest, *, wait_for_room: bool = False) -> InferResponse:
         """Run one request; every accepted request gets exactly one answer, success or error. ``wait_for_room``:
         a full queue does not refuse it; it waits for room, as a stream's request does (see :meth:`infer_encoded`)."""
-        return await self.infer_encoded(request, _as_is, on_room_wait=_no_note if wait_for_room else None)
+        return await self.infer_encoded(request, _as_is, wait_for_room=wait_for_room)
 
     async def infer_encoded(self, request: InferRequest,
                             encode: Callable[[InferResponse], Encoded | Awaitable[Encoded]], *,
-                            on_room_wait: Callable[[bool], None] | None = None) -> Encoded:
+                            wait_for_room: bool = False) -> Encoded:
         """:meth:`infer`, with the answer put in its wire form by ``encode`` (awaited when it returns an
         awaitable: a large answer encoded off the loop) before the request counts as a success: a NereidError
         from ``encode`` (an output its protocol cannot carry) is the request's failure.
 
-        ``on_room_wait`` None: a full queue refuses the request at once (QueueFull), as it does a unary call's
-        (many clients past capacity are an overload to shed). Given (a gRPC stream's request): the request waits
-        for room instead (see :meth:`ModelScheduler.wait_for_room`), and ``on_room_wait(True)``, then
-        ``on_room_wait(False)``, tell when it starts and stops waiting (its stream reads no further request
-        meanwhile, so that flow control holds the client back, as Triton's unbounded queue never needs to).
+        A full queue refuses the request at once (QueueFull), as it does a unary call's (many clients past capacity
+        are an overload to shed); ``wait_for_room`` (a gRPC stream's request, a meta model's sub-call): the request
+        waits for room instead (see :meth:`ModelScheduler.wait_for_room`), as Triton's unbounded queue would take
+        it.
         """
         received_ns = time.monotonic_ns()
         model = self._ready_or_refused(request.model_name)  # (again: it may have changed while the body decoded)
@@ -443,11 +438,11 @@ class DataPlane:
             try:
                 validated = validate_inputs(request.model_name, model.signature, request.inputs)
                 wanted = self._requested_outputs(request, model)
-                if on_room_wait is None:
-                    outputs = await model.run(validated.tensors, validated.batch_size, request.deadline_ns, timing)
-                else:
+                if wait_for_room:
                     outputs = await _run_when_room(model, validated.tensors, validated.batch_size, request.deadline_ns,
-                                                   timing, on_room_wait)
+                                                   timing)
+                else:
+                    outputs = await model.run(validated.tensors, validated.batch_size, request.deadline_ns, timing)
                 break
             except NereidError as err:
                 # A reload may have swapped versions since ready_model: the old version refused it at
@@ -524,14 +519,14 @@ class DataPlane:
 
 
 async def _run_when_room(model: LoadedVersion, tensors: list[NamedTensor], batch_size: int, deadline_ns: int,
-                         timing: RequestTiming, on_wait: Callable[[bool], None]) -> list[NamedTensor]:
+                         timing: RequestTiming) -> list[NamedTensor]:
     """``model.run``, for a request that waits for room where a full queue would refuse it (see
     :meth:`DataPlane.infer_encoded`): behind the requests waiting already, if any, and again each time the queue
     refuses it before any of the model's code ran for it."""
     scheduler = model.scheduler
     woken = False
     if scheduler.waiting_for_room:  # (tried at once, it could take a room freed for the first of them)
-        await _wait_for_room(scheduler, deadline_ns, on_wait, timing, again=False)
+        await _wait_for_room(scheduler, deadline_ns, timing, again=False)
         woken = True
     while True:
         try:
@@ -540,20 +535,17 @@ async def _run_when_room(model: LoadedVersion, tensors: list[NamedTensor], batch
             if REQUEST_STARTED.get():  # (a hook ran for it: never run again)
                 raise
         # (Waited here, out of the except block: the error's traceback would hold the request's frames meanwhile.)
-        await _wait_for_room(scheduler, deadline_ns, on_wait, timing, again=woken)
+        await _wait_for_room(scheduler, deadline_ns, timing, again=woken)
         woken = True
 
 
-async def _wait_for_room(scheduler: ModelScheduler, deadline_ns: int, on_wait: Callable[[bool], None],
-                         timing: RequestTiming, again: bool) -> None:
-    on_wait(True)
+async def _wait_for_room(scheduler: ModelScheduler, deadline_ns: int, timing: RequestTiming, again: bool) -> None:
     # Queue time, as Triton's unbounded queue would have counted it: left out, perf_analyzer showed the wait as the
     # server's overhead (the statistics hunt).
     began_ns = time.monotonic_ns()
     try:
         await scheduler.wait_for_room(deadline_ns, again=again)
     finally:
-        on_wait(False)
         timing.queue_ns += time.monotonic_ns() - began_ns
 
 

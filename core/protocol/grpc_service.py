@@ -431,10 +431,10 @@ class InferenceServicer:
 
     async def _infer(self, received: Received, context, streamed: bool = False,
                      counted: Callable[[str, str], None] | None = None,
-                     on_room_wait: Callable[[bool], None] | None = None) -> bytes:
+                     wait_for_room: bool = False) -> bytes:
         """Run one request; its answer serialized (``streamed``: as a ModelStreamInferResponse). Its outcome is
         counted among the protocol's requests, or given to ``counted`` (a stream's: counted once sent).
-        ``on_room_wait``: the request waits for room in a full queue rather than be refused (see
+        ``wait_for_room``: the request waits for room in a full queue rather than be refused (see
         DataPlane.infer_encoded)."""
         count = counted or self._counted
         request = received.message
@@ -477,7 +477,7 @@ class InferenceServicer:
         try:
             # Serialized before the request counts as a success: an answer gRPC cannot carry is its failure.
             wire = await self.dataplane.infer_encoded(decoded, functools.partial(_serialized, streamed=streamed),
-                                                      on_room_wait=on_room_wait)
+                                                      wait_for_room=wait_for_room)
         except NereidError as err:
             count(decoded.model_name, err.reason)
             raise
@@ -524,19 +524,9 @@ class InferenceServicer:
         sizes: dict[int, int] = {}  # by place
         bytes_freed = asyncio.Event()
         # A request that meets its model's full queue waits for room there, as Triton's unbounded queue would take it
-        # (a burst of perf_analyzer --streaming past queue_capacity was refused); reading pauses meanwhile, so that
-        # gRPC's flow control holds the client back.
-        waiting_for_room = 0
-        room_waits_over = asyncio.Event()
-        room_waits_over.set()
-
-        def room_wait(started: bool) -> None:
-            nonlocal waiting_for_room
-            waiting_for_room += 1 if started else -1
-            if waiting_for_room:
-                room_waits_over.clear()
-            else:
-                room_waits_over.set()
+        # (a burst of perf_analyzer --streaming past queue_capacity was refused). Reading goes on meanwhile, up to
+        # the caps above: a request's `timeout` counts from when it is read, and one left unread behind a request
+        # waiting for room ran long after its timeout had passed (the deadline hunt).
 
         # The outcomes of requests answered, kept until the answer is sent: one the stream ended before it was
         # sent counts as cancelled (it counted as a success the moment it was ready, and was never answered; the
@@ -570,7 +560,7 @@ class InferenceServicer:
             model, request_id = received.message.model_name, received.message.id
             try:
                 wire = await self._infer(received, context, streamed=True, counted=recorder(place),
-                                         on_room_wait=room_wait)
+                                         wait_for_room=True)
             except NereidError as err:
                 message = self.dataplane.error_text(err)
             except asyncio.CancelledError:
@@ -610,8 +600,6 @@ class InferenceServicer:
                     task.add_done_callback(pending.discard)
                     self._running.add(task)
                     task.add_done_callback(self._running.discard)
-                    if not room_waits_over.is_set():
-                        await room_waits_over.wait()
             except Exception as err:  # the client's side broke off: still answer what was accepted
                 self.client_log.warning("ModelStreamInfer from %s: reading the stream failed (%s); answering the %d "
                                         "accepted request(s)", peer(context.peer()),

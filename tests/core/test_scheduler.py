@@ -1105,18 +1105,16 @@ def test_a_run_the_backend_did_not_start_twice_fails_with_the_backends_failure(b
 
 
 class Waiting:
-    """Requests sent as a gRPC stream's are (DataPlane.infer_encoded's ``on_room_wait``): each waits for room in the
-    full queue rather than be refused. Counts the queue's refusals, and the requests waiting at once."""
+    """Requests sent as a gRPC stream's are (DataPlane.infer_encoded's ``wait_for_room``): each waits for room in the
+    full queue rather than be refused. Counts the queue's refusals."""
 
     def __init__(self, scheduler: ModelScheduler) -> None:
         self.scheduler = scheduler
         self.refusals = 0
-        self.waiting = 0
-        self.most_waiting = 0
 
     async def submit(self, value: float, deadline_ns: int = 0) -> list[NamedTensor]:
         model = SimpleNamespace(scheduler=self.scheduler, run=self._run)
-        return await _run_when_room(model, rows(value), 1, deadline_ns, RequestTiming(), self._on_wait)
+        return await _run_when_room(model, rows(value), 1, deadline_ns, RequestTiming())
 
     async def _run(self, *args) -> list[NamedTensor]:
         try:
@@ -1124,10 +1122,6 @@ class Waiting:
         except QueueRefusal:
             self.refusals += 1
             raise
-
-    def _on_wait(self, started: bool) -> None:
-        self.waiting += 1 if started else -1
-        self.most_waiting = max(self.most_waiting, self.waiting)
 
     async def line(self, values: list[float], deadline_ns: int = 0) -> list[asyncio.Task]:
         """One request of each value, each waiting for room before the next is sent (their order is the line's)."""
@@ -1188,7 +1182,7 @@ def test_requests_waiting_for_room_are_woken_one_at_a_time_in_the_order_they_cam
         assert [float(r[0].data[0, 0]) for r in results] == [0, 2, 4, 20, 22, 24, 26, 28, 30]
         assert backend.ran == [0, 1, 2, 10, 11, 12, 13, 14, 15]
         assert waiting.refusals == 1  # woken only with room for them: never refused again
-        assert waiting.most_waiting == 6 and waiting.waiting == 0 and scheduler.waiting_for_room == 0
+        assert scheduler.waiting_for_room == 0
         await scheduler.drain()
     run(scenario())
 
@@ -1242,13 +1236,13 @@ def test_a_cancelled_waiter_leaves_the_line_and_an_unload_answers_the_others_at_
         first, gone, last = await waiting.line([10, 11, 12])
         gone.cancel()
         await asyncio.gather(gone, return_exceptions=True)
-        assert scheduler.waiting_for_room == 2 and waiting.waiting == 2
+        assert scheduler.waiting_for_room == 2
         drain = asyncio.create_task(scheduler.drain())
         # Answered as the model starts its drain, before what it had admitted has run.
         for waiter in (first, last):
             with pytest.raises(ModelRetired, match="^model 'm' is being unloaded$"):
                 await waiter
-        assert backend.ran == [] and scheduler.waiting_for_room == 0 and waiting.waiting == 0
+        assert backend.ran == [] and scheduler.waiting_for_room == 0
         backend.gate.set()
         assert await drain
         assert [float(r[0].data[0, 0]) for r in await asyncio.gather(*admitted)] == [0, 2]

@@ -1063,10 +1063,11 @@ def waiting_for_room(server, model: str) -> int:
     return server.server.repository.entry(model).loaded.scheduler.waiting_for_room
 
 
-def test_a_stream_burst_past_queue_capacity_is_answered_in_order_and_the_stream_pauses_its_reading(repo, serve):
+def test_a_stream_burst_past_queue_capacity_is_answered_in_order_every_request_read_waiting_for_room(repo, serve):
     """A burst of one stream past its model's queue_capacity (perf_analyzer --streaming's, a client written for
-    Triton, whose queue has no bound) had the surplus refused "queue is full": each waits for room instead, the
-    stream reading no further request meanwhile (gRPC's flow control then holds the client back)."""
+    Triton, whose queue has no bound) had the surplus refused "queue is full": each waits for room instead, in
+    order, the stream reading on (as Triton reads a stream's every request when it arrives) up to its in-flight
+    caps."""
     capacity = 3
     server, folder = start_gated(repo, serve, capacity)
     answers: queue.Queue = queue.Queue()
@@ -1074,11 +1075,9 @@ def test_a_stream_burst_past_queue_capacity_is_answered_in_order_and_the_stream_
     try:
         for value in range(3 * capacity):
             server.client.async_stream_infer("gated", [int8_input([value] * 4)], request_id=str(value))
-        # One running, the queue full, and the next waiting for room: reading paused there (one request read past
-        # it, at most), not every request of the burst read and waiting.
+        # One running, the queue full, and every other request of the burst read and waiting for room.
         wait_for(lambda: runs(folder) == 1 and queued(server, "gated") == capacity
-                 and waiting_for_room(server, "gated") >= 1, "the burst to fill the queue")
-        assert waiting_for_room(server, "gated") <= 2
+                 and waiting_for_room(server, "gated") == 2 * capacity - 1, "the burst to fill the queue")
         time.sleep(1.0)  # (held: the requests waiting for room wait a second at least)
         (folder / "gate").write_text("")
         got = [answers.get(timeout=60) for _ in range(3 * capacity)]
@@ -1096,6 +1095,32 @@ def test_a_stream_burst_past_queue_capacity_is_answered_in_order_and_the_stream_
                                                              "compute_output"))
     assert stats.success.ns - accounted_ns < 0.5e9, stats  # (2 s with the waits left out)
     assert waiting_for_room(server, "gated") == 0
+
+
+def test_a_stream_request_behind_one_waiting_for_room_has_its_timeout_counted_from_when_it_was_sent(repo, serve):
+    """Found by the deadline hunt: the stream read no further request while one waited for room, and a request's
+    `timeout` counts from when it is read, so one sent behind it with a 200 ms timeout ran a second later, as if
+    it had had 200 ms from the moment room freed. Read on arrival, it expires in the line and never runs."""
+    server, folder = start_gated(repo, serve, capacity=1)
+    answers: queue.Queue = queue.Queue()
+    server.client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for value in range(4):  # one running, one queued, two waiting for room
+            server.client.async_stream_infer("gated", [int8_input([value] * 4)], request_id=str(value))
+        wait_for(lambda: runs(folder) == 1 and waiting_for_room(server, "gated") == 2, "the queue to fill")
+        server.client.async_stream_infer("gated", [int8_input([4] * 4)], request_id="4", timeout=200_000)
+        wait_for(lambda: answers.qsize() == 0 and server.client.get_inference_statistics(
+            "gated").model_stats[0].inference_stats.fail.count == 1, "the timed request to expire while it waits")
+        (folder / "gate").write_text("")
+        got = [answers.get(timeout=60) for _ in range(5)]
+    finally:
+        (folder / "gate").write_text("")  # (a failure above must not leave the stream's requests held)
+        server.client.stop_stream()
+    assert [error for _, error in got[:4]] == [None] * 4
+    assert got[4][1] is not None, got[4]
+    message = got[4][1].message()
+    assert "model 'gated'" in message and "ms for room in the full queue" in message and "not run" in message, message
+    assert runs(folder) == 4  # the expired request never ran
 
 
 def test_a_stream_request_waiting_for_room_whose_client_leaves_is_cancelled_and_hands_its_turn_on(repo, serve):
