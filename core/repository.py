@@ -841,7 +841,8 @@ class ModelRepository:
             self._heard_loaded(name, new)
             self._enter_loaded_version(entry)  # the new version may call other models
             self._record(name, "reload")
-        self.in_background(self._retire(self._retiring_version(name, old, entry), self._replaced_version_grace(old)),
+        self.in_background(self._retire(self._retiring_version(name, old, entry), self._replaced_version_grace(old),
+                                        hand_over=True),
                            f"model '{name}': unloading the version load {entry.generation} replaced")
         return entry
 
@@ -1312,8 +1313,10 @@ class ModelRepository:
         self._retiring[id(loaded)] = retiring
         return retiring
 
-    async def _retire(self, retiring: RetiringVersion, grace_s: float | None = None) -> None:
-        """Let one version's queued and running requests finish, then release it.
+    async def _retire(self, retiring: RetiringVersion, grace_s: float | None = None, *,
+                      hand_over: bool = False) -> None:
+        """Let one version's queued and running requests finish, then release it; ``hand_over`` (a version a
+        reload replaced): its queued requests go to the version now serving instead (see ModelScheduler.drain).
 
         A scratch folder a removal left to it (see :meth:`FolderCleanup.drop_scratch`) is deleted then.
         """
@@ -1336,7 +1339,7 @@ class ModelRepository:
         try:
             # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
             await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
-                                         end_running)
+                                         end_running, hand_over=hand_over)
             # In turns, once drained (a turn is for the release's threads, not for requests finishing): each
             # release at once took a thread, and hundreds of them held liveness for seconds (the scale hunt). One
             # turn for the release and the removal of its scratch folders after it.

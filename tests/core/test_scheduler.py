@@ -313,6 +313,35 @@ def test_drain_finishes_queued_work_then_refuses() -> None:
     run(scenario())
 
 
+def test_a_drain_that_hands_over_refuses_the_queued_requests_as_retired_and_finishes_the_running_and_hooked() -> None:
+    """A version a reload replaced (``hand_over``): its queued requests are refused ModelRetired naming it, which the
+    data plane sends to the version now serving, their time queued counted; a request a preprocess hook ran for
+    (``admitted``) and the running one finish here."""
+    async def scenario() -> None:
+        backend = GatedDouble()
+        scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=8, instances=1, stats=ModelStats(),
+                                   policy=BatchPolicy(enabled=False))
+        running = asyncio.create_task(scheduler.submit(rows(0), 1, 0))
+        await until(lambda: scheduler.running_threads == 1)
+        timing = RequestTiming()
+        queued = asyncio.create_task(scheduler.submit(rows(1), 1, 0, timing))
+        with scheduler.hooked_request():
+            hooked = asyncio.create_task(scheduler.submit(rows(2), 1, 0, admitted=True))
+            await until(lambda: scheduler.queue_depth == 2)
+            await asyncio.sleep(0.01)
+            drained = asyncio.create_task(scheduler.drain(hand_over=True))
+            with pytest.raises(ModelRetired, match="model 'm' was replaced by a new version before this request "
+                                                   "could start") as refused:
+                await queued
+            assert refused.value.scheduler is scheduler and timing.queue_ns >= 10e6
+            assert scheduler.queue_depth == 1 and not running.done()
+            backend.gate.set()
+            assert [float((await task)[0].data[0, 0]) for task in (running, hooked)] == [0, 4]
+        await drained
+        assert backend.ran == [0, 2]
+    run(scenario())
+
+
 def test_a_request_waiting_for_batch_company_runs_at_once_when_drain_begins() -> None:
     """Defect (found by the scheduler's property tests): draining, a request still waited out its batching
     window for company that could no longer come, so a grace shorter than the window gave up on it

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -167,6 +168,38 @@ def test_edit_under_load_swaps_versions_without_a_failed_request(repo, serve):
     assert second["version"] == "2"
     assert second["parent"] != first["parent"]  # a new warm parent for the new version...
     wait_for(lambda: not os.path.exists(f"/proc/{first['parent']}"))  # ...and the old one is gone
+
+
+def test_a_reload_hands_the_queued_requests_to_the_new_version_and_the_old_finishes_its_running_one(repo, serve):
+    """Found by the reload hunt: the replaced version ran its whole queue, one request after another, within its
+    grace, while the new version stood idle; a queue of 100 one-second requests had 34 failed at the grace's end.
+    The queued requests go to the new version at once; the running one finishes on the old."""
+    gate = repo.root / "gate"
+    folder = repo.models_dir / "live"
+    write_model(folder, "1")
+    held = version_main("1").replace("sys.stdin.buffer.read()", "import time\n"
+                                      f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.01)\n"
+                                      "sys.stdin.buffer.read()")
+    (folder / "main.py").write_text(held)
+    one_at_a_time = '- name: "live"\n  instances: 1\n  batching: {enabled: false}\n'
+    server = serve(repo.write_config(one_at_a_time, server_extra=SETTLE))
+    answers: queue.Queue = queue.Queue()
+    tensor = triton.InferInput("input", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[b"x"]], dtype=object))
+    for _ in range(4):  # one running (held at the gate), three queued behind it
+        server.client.async_infer("live", [tensor], callback=lambda result, error: answers.put((result, error)))
+    try:
+        wait_for(lambda: server.server.repository.entry("live").loaded.scheduler.queue_depth == 3)
+        (folder / "main.py").write_text(version_main("2"))
+        queued = [answers.get(timeout=30) for _ in range(3)]  # while the old version's run is still held
+    finally:
+        gate.write_text("")
+    running = answers.get(timeout=30)
+    assert [error for _, error in queued + [running]] == [None] * 4
+    versions = [json.loads(result.as_numpy("output")[0, 0])["version"] for result, _ in queued + [running]]
+    assert versions == ["2", "2", "2", "1"]
+    stats = server.client.get_inference_statistics("live").model_stats[0].inference_stats
+    assert (stats.success.count, stats.fail.count) == (4, 0)
 
 
 def test_failed_reload_keeps_the_running_version(repo, serve, caplog):
