@@ -1,4 +1,4 @@
-"""When dynamic mode looks at the repository: after file events, or at each poll of a store.
+"""When dynamic mode looks at the repository: after file events, and at each poll (a store's only then).
 
 The model folders are watched recursively (with where symlinked model folders
 lead); nereid.yaml and ml_backends_path through the folders holding them (and
@@ -139,17 +139,19 @@ class RepositoryFollower:
         models = self._follow(self._models, self.root) if self._models is not None else self._poll()
         await asyncio.gather(self._guarded(models, self.root if self.location is None else self.location),
                              self._guarded(self._follow(self._outer, self.config_path.parent), self.config_path),
-                             *([self._guarded(self._check_moved(), "what the watches follow")]
+                             *([self._guarded(self._look_every_poll(), "the look at each poll")]
                                if self.location is None else []))
 
-    async def _check_moved(self) -> None:
-        """Every ``poll_s``, look again if what a watch follows is no longer what it follows there: a folder
-        above ml_backends_path (or above a symlinked model folder's target) renamed, a release folder swapped
-        with ``mv``, sends no event to any watch (found by a hunt: the old tree served on, for good)."""
+    async def _look_every_poll(self) -> None:
+        """Every ``poll_s``, look at the whole tree, as Triton's poll mode scans its repository: a change that sends
+        no event to any watch is found within that time. A folder above ml_backends_path (or above a symlinked
+        model folder's target) renamed, a release folder swapped with ``mv`` (the old tree served on, for good: a
+        hunt); a file written through ``mmap``, or through a hard link from outside the tree, or by another machine
+        on a network file system (the reload hunt: the model served its old weights until an unrelated event).
+        The look restarts a watch whose paths moved (see :meth:`restart_moved`), and costs a stat of each file:
+        a folder's contents are read again only when its stamp changed."""
         while not await self._stopped_within(self.poll_s):
-            wanted = await on_work_thread_or_here(self.wanted_now)
-            if any(follow.current is not None and paths != follow.current for follow, paths in wanted):
-                await self._look()  # (which restarts those watches: see restart_moved)
+            await self._look()
 
     def cancel(self) -> None:
         """Cancel the looks that a watch's start scheduled and that have not ended (the watcher stopping): one

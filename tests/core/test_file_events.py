@@ -58,7 +58,7 @@ def test_a_file_written_in_a_model_folder_brings_a_look_and_stop_ends_the_watche
 
     async def scenario() -> None:
         stop = asyncio.Event()
-        events = follower(tmp_path, looks, stop=stop)
+        events = follower(tmp_path, looks, stop=stop, poll_s=60)  # (no look at a poll within the test)
         running = asyncio.create_task(events.run())
         await until(lambda: watching(events) and len(looks) == 2, "both watches up, each having looked once")
         await asyncio.sleep(0.2)
@@ -66,6 +66,22 @@ def test_a_file_written_in_a_model_folder_brings_a_look_and_stop_ends_the_watche
         (tmp_path / "ml-backends" / "m").mkdir()
         (tmp_path / "ml-backends" / "m" / "main.py").write_text("print('hi')\n")
         await until(lambda: len(looks) > 2, "a look after the write")
+        stop.set()
+        await asyncio.wait_for(running, 10)
+    asyncio.run(scenario())
+
+
+def test_a_local_tree_is_also_looked_at_every_poll_s_with_no_event(tmp_path):
+    """Changes that send no file event (a write through mmap or a hard link from outside, another machine's on a
+    network file system) are found by a look at every poll_s, as Triton's poll mode scans its repository."""
+    looks: list[str] = []
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        events = follower(tmp_path, looks, stop=stop, poll_s=0.1)
+        running = asyncio.create_task(events.run())
+        await until(lambda: watching(events) and len(looks) >= 2, "both watches up, each having looked once")
+        await until(lambda: len(looks) >= 5, "looks at the polls, nothing written")
         stop.set()
         await asyncio.wait_for(running, 10)
     asyncio.run(scenario())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import queue
 import shutil
@@ -200,6 +201,31 @@ def test_a_reload_hands_the_queued_requests_to_the_new_version_and_the_old_finis
     assert versions == ["2", "2", "2", "1"]
     stats = server.client.get_inference_statistics("live").model_stats[0].inference_stats
     assert (stats.success.count, stats.fail.count) == (4, 0)
+
+
+@pytest.mark.parametrize("how", ["hard link", "mmap"])
+def test_an_edit_that_sends_no_file_event_is_found_at_the_next_poll(repo, serve, how):
+    """Found by the reload hunt: a local tree was looked at only after a file event, so an edit that sends none (a
+    write through mmap, or through a hard link from outside the tree, or by another machine on a network file
+    system) was acted on only at some unrelated event, if ever. Each poll looks at the whole tree, as Triton's."""
+    folder = repo.models_dir / "live"
+    write_model(folder, "1")
+    server = serve(repo.write_config(server_extra=SETTLE + "  watch_poll_s: 0.5\n"))
+    assert ask(server.client, "live")["version"] == "1"
+    edited = version_main("2").encode()
+    if how == "hard link":
+        outside = repo.root / "main.py"
+        os.link(folder / "main.py", outside)
+        with open(outside, "r+b") as file:  # the same inode, written under a name no watch follows
+            file.truncate(0)
+            file.write(edited)
+    else:
+        assert len(edited) == (folder / "main.py").stat().st_size  # (mmap cannot grow a file)
+        with open(folder / "main.py", "r+b") as file, mmap.mmap(file.fileno(), 0) as mapped:
+            mapped[:] = edited  # (the kernel moves the mtime at the first write to a page: no event is sent)
+            mapped.flush()
+    wait_for(lambda: generation(server, "live") == 2, timeout_s=30)
+    assert ask(server.client, "live")["version"] == "2"
 
 
 def test_failed_reload_keeps_the_running_version(repo, serve, caplog):
