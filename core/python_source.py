@@ -12,7 +12,9 @@ collector back on.
 from __future__ import annotations
 
 import ast
+import io
 import threading
+import tokenize
 
 from nereid.collector_pause import collector_paused
 
@@ -27,3 +29,31 @@ def parse(source: str | bytes, filename: str = "<unknown>") -> ast.Module:
     """
     with PARSE_LOCK, collector_paused():
         return ast.parse(source, filename=filename)
+
+
+def syntax_error_text(err: SyntaxError) -> str:
+    """``err`` as a load's reason says it: ``line 3: invalid syntax``; the message alone where Python knows no
+    line (3.11's null bytes: "line None" was said)."""
+    return f"line {err.lineno}: {err.msg}" if err.lineno is not None else str(err.msg)
+
+
+def undecodable(source: bytes) -> str | None:
+    """Why ``python file.py`` refuses ``source`` before it parses it, its bytes not text in the file's encoding
+    (PEP 263: UTF-8 unless a coding line declares another), with the line; None when they decode.
+
+    compile() of bytes does not tell: it let bytes that are no UTF-8 pass in a comment, where ``python main.py``
+    stops (found by the error hunt: a model READY whose warm runs each failed inside the tokenizer).
+    """
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
+    except SyntaxError as err:
+        if not str(err.msg).startswith("invalid or missing encoding declaration"):
+            return syntax_error_text(err)  # a coding line naming no codec Python knows, say
+        encoding = "utf-8"  # (said of a first or second line that is no UTF-8: the byte is found below)
+    try:
+        source.decode(encoding)
+    except UnicodeDecodeError as err:
+        line = source.count(b"\n", 0, err.start) + 1
+        return (f"line {line}: byte {source[err.start:err.start + 1]!r} is not {err.encoding} text (PEP 263: a file "
+                "is UTF-8 unless a coding line, such as '# -*- coding: latin-1 -*-', declares another)")
+    return None

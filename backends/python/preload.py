@@ -32,6 +32,9 @@ def imported_modules(main_py: Path, source: bytes) -> list[str]:
 
 def _checked_tree(main_py: Path, source: bytes) -> ast.Module:
     """``main.py`` parsed; ConfigError when ``python main.py`` would stop at a SyntaxError."""
+    problem = python_source.undecodable(source)
+    if problem is not None:
+        raise ConfigError(f"{main_py}: not valid Python ({problem})")
     try:
         tree = python_source.parse(source, filename=str(main_py))
         # Some errors only the compiler finds ('return' outside a function, 'break' outside a loop, a
@@ -40,7 +43,7 @@ def _checked_tree(main_py: Path, source: bytes) -> ast.Module:
         # the warm parent compiles (this module's own __future__ imports are not main.py's).
         compile(source, str(main_py), "exec", dont_inherit=True)
     except SyntaxError as err:
-        raise ConfigError(f"{main_py}: not valid Python (line {err.lineno}: {err.msg})") from None
+        raise ConfigError(f"{main_py}: not valid Python ({python_source.syntax_error_text(err)})") from None
     except ValueError as err:  # null bytes
         raise ConfigError(f"{main_py}: not valid Python ({err})") from None
     return tree

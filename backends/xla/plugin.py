@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from nereid import python_source
 from nereid.backend import BackendClaim
 from nereid.backends.xla.bundle import not_a_folder_reason
 from nereid.backends.xla.manifest import MANIFEST_NAME, declares_meta, text_declares_meta
@@ -89,7 +90,7 @@ def _hooks_problem(bundle: Path) -> str | None:
     try:
         compile(hooks.read_bytes(), str(hooks), "exec")
     except SyntaxError as err:
-        return f"{HOOKS_FILE}: not valid Python (line {err.lineno}: {err.msg})"
+        return f"{HOOKS_FILE}: not valid Python ({python_source.syntax_error_text(err)})"
     except (OSError, ValueError) as err:  # unreadable, a folder, NUL bytes
         return f"{HOOKS_FILE}: cannot be read as Python ({err})"
     return None

@@ -30,6 +30,32 @@ def test_main_py_that_python_would_not_run_is_refused_naming_the_file_line_and_e
     assert str(caught.value) == f"{main_py}: not valid Python (line {line}: {message})"
 
 
+@pytest.mark.parametrize("source, reason", [
+    # Found by the error hunt: compile() of the bytes let a comment that is no UTF-8 pass; the model was READY,
+    # each warm run failed inside the tokenizer, and `python main.py` refuses the file.
+    ("import sys\n# café\n".encode("latin-1"), "line 2: byte b'\\xe9' is not utf-8 text (PEP 263: a file is UTF-8 "
+                                                "unless a coding line, such as '# -*- coding: latin-1 -*-', declares "
+                                                "another)"),
+    ("# café\n".encode("latin-1"), "line 1: byte b'\\xe9' is not utf-8 text (PEP 263: a file is UTF-8 unless a "
+                                    "coding line, such as '# -*- coding: latin-1 -*-', declares another)"),
+    (b"# -*- coding: bogus -*-\nimport sys\n", "unknown encoding: bogus"),
+    # "line None" was said: Python 3.11 knows no line for a null byte.
+    (b"import sys\n\0\n", "source code string cannot contain null bytes"),
+])
+def test_main_py_whose_bytes_python_would_not_read_is_refused_naming_the_line_and_why(tmp_path: Path, source: bytes,
+                                                                                     reason: str) -> None:
+    main_py = tmp_path / "main.py"
+    main_py.write_bytes(source)
+    with pytest.raises(ConfigError) as caught:
+        imported_modules(main_py, source)
+    assert str(caught.value) == f"{main_py}: not valid Python ({reason})"
+
+
+def test_main_py_in_a_declared_encoding_loads(tmp_path: Path) -> None:
+    source = "# -*- coding: latin-1 -*-\n# café\nimport json\n".encode("latin-1")
+    assert imported_modules(tmp_path / "main.py", source) == ["json"]
+
+
 TRITON_MODEL = "import numpy as np\n\n\nclass TritonPythonModel:\n    def execute(self, requests):\n        return []\n"
 
 

@@ -166,6 +166,15 @@ def test_a_bundle_s_model_py_that_does_not_compile_is_unservable_and_one_that_do
     assert total == "3 bundle(s), 2 unservable"
 
 
+def test_a_bundle_s_model_py_holding_a_null_byte_is_unservable_without_a_line_of_none(tmp_path, capsys) -> None:
+    """Found by the error hunt: Python 3.11 tells of a null byte as a SyntaxError with no line ("line None")."""
+    bundle = examples.write_mlp(tmp_path, provenance=False)
+    (bundle / "model.py").write_bytes(b"import nereid\n\0\n")
+    assert main(["bundle", "check", str(bundle)]) == 1
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == f"{bundle}: UNSERVABLE: model.py: not valid Python (source code string cannot contain null bytes)"
+
+
 def test_a_scanned_folder_holding_a_program_but_no_manifest_is_reported_not_skipped(tmp_path, capsys) -> None:
     """Found by a bug hunt: scanning a folder passed over a bundle that had lost its manifest.yaml (exit 0), though
     named on its own it was UNSERVABLE."""
