@@ -90,7 +90,7 @@ def _decode_infer(model: str, body: bytes | memoryview, header_length: int | Non
                                   f"but the body has {len(body)} bytes")
         view = memoryview(body)
         header_bytes, binary = view[:header_length], view[header_length:]
-    document = _parse_json(model, header_bytes, header_length is None)
+    document = _parse_json(model, header_bytes, None if header_length is None else body)
     if not isinstance(document, dict):
         raise InvalidArgument(f"model '{model}': the request body must be a JSON object")
     parameters = _object(model, document.get("parameters", {}), "parameters")
@@ -136,9 +136,9 @@ def _decode_infer(model: str, body: bytes | memoryview, header_length: int | Non
     return request, choice
 
 
-def _parse_json(model: str, header: bytes | memoryview, whole_body: bool) -> Any:
-    """The JSON header as Python values; InvalidArgument naming the problem. ``whole_body``: no
-    Inference-Header-Content-Length was sent, so ``header`` is the whole body."""
+def _parse_json(model: str, header: bytes | memoryview, body: bytes | memoryview | None) -> Any:
+    """The JSON header as Python values; InvalidArgument naming the problem. ``body``: the whole body, when an
+    Inference-Header-Content-Length cut ``header`` from it (None: none was sent, and ``header`` is the body)."""
     try:
         # orjson: strict RFC 8259 (valid UTF-8, depth limited), and 5x faster than the json module on these
         # small headers, which every request pays.
@@ -151,9 +151,12 @@ def _parse_json(model: str, header: bytes | memoryview, whole_body: bool) -> Any
     document = _with_non_finite_literals(header)
     if document is not None:
         return document
-    if whole_body:
+    if body is None:
         _refuse_binary_without_header_length(model, bytes(header))
-    raise InvalidArgument(f"model '{model}': the request body is not valid JSON ({error})")
+        raise InvalidArgument(f"model '{model}': the request body is not valid JSON ({error})")
+    _refuse_header_length_off(model, bytes(body), len(header))
+    raise InvalidArgument(f"model '{model}': the JSON header (the body's first {len(header)} bytes, as "
+                          f"{HEADER_LENGTH_HEADER} says) is not valid JSON ({error})")
 
 
 def _with_non_finite_literals(header: bytes | memoryview) -> Any:
@@ -224,17 +227,33 @@ def _refuse_binary_without_header_length(model: str, body: bytes) -> None:
     """InvalidArgument when ``body`` is a JSON document followed by more bytes: binary data sent without the
     Inference-Header-Content-Length header that says where the JSON ends (orjson blamed character 0 of a valid
     document, having found the binary tail not UTF-8). Returns when it is not that."""
+    length = _leading_document_length(body)
+    if length is None or not body[length:].strip():
+        return
+    raise InvalidArgument(f"model '{model}': the request body is a JSON document of {length} bytes followed by "
+                          f"{len(body) - length} more bytes, and has no {HEADER_LENGTH_HEADER} header; binary "
+                          f"tensor data needs {HEADER_LENGTH_HEADER}: {length}")
+
+
+def _refuse_header_length_off(model: str, body: bytes, header_length: int) -> None:
+    """InvalidArgument when ``body`` starts with a JSON document of another length than Inference-Header-Content-
+    Length says: the header's length counted wrong (in characters, say, where a non-ASCII ``id`` takes more bytes),
+    which was told as "not valid JSON" of a valid document (the error hunt). Returns when it is not that."""
+    length = _leading_document_length(body)
+    if length is None or length == header_length:
+        return
+    raise InvalidArgument(f"model '{model}': {HEADER_LENGTH_HEADER} is {header_length}, but the body starts with a "
+                          f"JSON document of {length} bytes (the header's length counts its bytes, as UTF-8)")
+
+
+def _leading_document_length(body: bytes) -> int | None:
+    """How many bytes the JSON document at the start of ``body`` takes (None: it starts with none)."""
     text = body.decode("utf-8", "surrogateescape")  # one character per undecodable byte: offsets stay countable
     try:
         _, end = json.JSONDecoder().raw_decode(text)
     except (ValueError, RecursionError):
-        return
-    if not text[end:].strip():
-        return
-    length = len(text[:end].encode("utf-8", "surrogateescape"))
-    raise InvalidArgument(f"model '{model}': the request body is a JSON document of {length} bytes followed by "
-                          f"{len(body) - length} more bytes, and has no {HEADER_LENGTH_HEADER} header; binary "
-                          f"tensor data needs {HEADER_LENGTH_HEADER}: {length}")
+        return None
+    return len(text[:end].encode("utf-8", "surrogateescape"))
 
 
 # orjson reports failing to allocate its parse buffer as a JSONDecodeError with one of these messages.

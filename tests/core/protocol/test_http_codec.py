@@ -372,6 +372,27 @@ def test_binary_data_without_its_header_length_is_told_so():
             f"Inference-Header-Content-Length: {len(header)}")
 
 
+@pytest.mark.parametrize("off_by", [-2, 4])
+def test_a_header_length_off_from_the_json_header_s_is_told_so(off_by: int) -> None:
+    """Found by the error hunt: Inference-Header-Content-Length counted in characters (a non-ASCII id takes more
+    bytes), or too long, got "the request body is not valid JSON" of a valid document."""
+    header = json.dumps({"id": "café-é", "inputs": [{"name": "x", "datatype": "FP32", "shape": [16],
+                                                      "parameters": {"binary_data_size": 64}}]},
+                        ensure_ascii=False).encode()
+    with pytest.raises(InvalidArgument) as refused:
+        decode_infer("m", header + b"A" * 64, len(header) + off_by)
+    assert str(refused.value) == (
+        f"model 'm': Inference-Header-Content-Length is {len(header) + off_by}, but the body starts with a JSON "
+        f"document of {len(header)} bytes (the header's length counts its bytes, as UTF-8)")
+
+
+def test_a_json_header_of_the_length_said_that_is_not_json_names_the_header() -> None:
+    body = b'{"inputs": [}' + b"A" * 8
+    with pytest.raises(InvalidArgument, match=r"^model 'm': the JSON header \(the body's first 13 bytes, as "
+                                              r"Inference-Header-Content-Length says\) is not valid JSON \("):
+        decode_infer("m", body, 13)
+
+
 def test_a_refused_body_leaves_nothing_it_decoded_behind_in_its_traceback() -> None:
     """Defect: the error's traceback held the decode's frames, whose locals held every object parsed; through a
     cycle with the handler's future they stayed until the collector's next full pass (four 16 MiB bodies refused
