@@ -70,6 +70,11 @@ def bytes_array(elements: list[bytes], shape: tuple[int, ...]) -> np.ndarray:
     return array.reshape(shape)
 
 
+# What a malformed BYTES serialization is told it should be (the error hunt: text sent without the prefixes was told
+# only of an element of 1.8 GB).
+_BYTES_LAYOUT = "; BYTES contents hold each element as a 4-byte little-endian length, then its bytes"
+
+
 def split_bytes_elements(raw: bytes | memoryview, limit: int | None = None) -> list[bytes]:
     """Split KServe's BYTES serialization: each element a 4-byte little-endian length, then the bytes.
 
@@ -83,11 +88,14 @@ def split_bytes_elements(raw: bytes | memoryview, limit: int | None = None) -> l
         if limit is not None and len(elements) >= limit:
             raise ValueError(f"raw contents hold more than the {limit} BYTES element(s) the shape allows")
         if offset + 4 > size:
-            raise ValueError("BYTES contents end inside a 4-byte length prefix")
+            raise ValueError(f"BYTES contents end inside a 4-byte length prefix (element {len(elements)}: "
+                             f"{size - offset} byte(s) left){_BYTES_LAYOUT}")
         (length,) = _LENGTH.unpack_from(view, offset)
         offset += 4
         if offset + length > size:
-            raise ValueError(f"BYTES element of {length} bytes runs past the end of the contents")
+            # (Data sent with no length prefixes reads its first 4 bytes as a length: b"hell" as 1,819,043,176.)
+            raise ValueError(f"BYTES element {len(elements)} of {length} bytes runs past the end of the contents "
+                             f"({size - offset} byte(s) left){_BYTES_LAYOUT}")
         elements.append(bytes(view[offset:offset + length]))
         offset += length
     return elements

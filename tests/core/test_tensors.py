@@ -37,6 +37,19 @@ def test_bytes_elements_round_trip_and_reject_truncation() -> None:
         split_bytes_elements(b"\x01\x00")
 
 
+def test_bytes_contents_sent_without_length_prefixes_are_told_the_layout_expected() -> None:
+    """Found by the error hunt: text sent with no length prefixes was told only of "BYTES element of 1819043176
+    bytes", with no element, no count of bytes left and no word of the layout expected."""
+    with pytest.raises(ValueError) as refused:
+        split_bytes_elements(b"hello world")
+    assert str(refused.value) == ("BYTES element 0 of 1819043176 bytes runs past the end of the contents (7 byte(s) "
+                                  "left); BYTES contents hold each element as a 4-byte little-endian length, then "
+                                  "its bytes")
+    with pytest.raises(ValueError, match=r"^BYTES contents end inside a 4-byte length prefix \(element 1: 2 byte\(s\) "
+                                         r"left\); BYTES contents hold each element as a 4-byte little-endian length"):
+        split_bytes_elements(b"\x01\x00\x00\x00a\x05\x00")
+
+
 @pytest.mark.parametrize("count", [0, 1, 64, 65, 3000])
 def test_many_bytes_elements_join_as_few_do(count: int) -> None:
     """Past 64 elements the join is laid out with numpy: the same bytes as the element-by-element form."""
