@@ -329,7 +329,7 @@ class DataPlane:
         (a PublicText: a ``file:`` path that the server's path scrubbing
         rewrote told the client which absolute paths are the server's).
         """
-        self._check_repository_control(rpc)
+        self._check_repository_control(rpc, name)
         keys = sorted(parameters)
         config = self.repository.settings.config_name
         unknown = [key for key in keys if key != "config" and not key.startswith("file:")]
@@ -372,7 +372,7 @@ class DataPlane:
         model only when asked (nereid.yaml, the folder, a load request), never
         along with a meta model, so by that rule no other model is unloaded.
         """
-        self._check_repository_control(rpc)
+        self._check_repository_control(rpc, name)
         await self._to_its_end(self._unload(name), f"unload of model '{name}'")
 
     async def _load(self, name: str) -> _LoadOutcome:
@@ -407,12 +407,12 @@ class DataPlane:
             task.add_done_callback(functools.partial(_log_unanswered, what))
             raise
 
-    def _check_repository_control(self, rpc: str) -> None:
+    def _check_repository_control(self, rpc: str, name: str) -> None:
         if not self.repository_control:
             why = ("server.repository_control: false" if self.settings.server.repository_control is not None
                    else "server.repository_control is not set, and is off by default when bind_addr or http_addr "
                         "is not loopback")
-            raise PermissionDenied(f"{rpc} is turned off on this server ({why})")
+            raise PermissionDenied(f"model '{name}': {rpc} is turned off on this server ({why})")
 
     async def infer(self, request: InferRequest, *, wait_for_room: bool = False) -> InferResponse:
         """Run one request; every accepted request gets exactly one answer, success or error. ``wait_for_room``:

@@ -317,8 +317,8 @@ def test_repository_control_off_refuses_load_and_unload(repo, serve):
     server = serve(repo.write_config(server_extra="  repository_control: false\n"))
     for call, rpc in ((server.client.unload_model, "RepositoryModelUnload"),
                       (server.client.load_model, "RepositoryModelLoad")):
-        expect_grpc_error("PERMISSION_DENIED", lambda: call("echo"), f"{rpc} is turned off on this server "
-                          "(server.repository_control: false)")
+        expect_grpc_error("PERMISSION_DENIED", lambda: call("echo"),
+                          f"model 'echo': {rpc} is turned off on this server (server.repository_control: false)")
     assert server.client.is_model_ready("echo")  # nothing was unloaded
 
 
@@ -338,7 +338,7 @@ def test_with_repository_control_off_no_answer_advises_a_load_and_the_refusal_na
     settings = load_settings(repo.write_config())
     plane = DataPlane(ModelRepository(settings, make_plugin_manager(), repo.root / "scratch"), settings,
                       repository_control=repository_control_allowed(settings.server, "0.0.0.0:8001"))
-    with pytest.raises(PermissionDenied, match=r"^RepositoryModelLoad is turned off on this server "
+    with pytest.raises(PermissionDenied, match=r"^model 'extra': RepositoryModelLoad is turned off on this server "
                                                r"\(server.repository_control is not set, and is off by default when "
                                                r"bind_addr or http_addr is not loopback\)$"):
         asyncio.run(plane.load("extra"))
