@@ -14,7 +14,7 @@ import io
 import math
 import re
 from pathlib import Path
-from typing import AbstractSet, Any, Mapping
+from typing import AbstractSet, Any, Iterable, Mapping
 
 import yaml
 
@@ -293,12 +293,19 @@ def _key_hint(name: Any, allowed: AbstractSet[str], hints: Mapping[str, str] | N
         return ""
     if hints and name in hints:
         return f" ({hints[name]})"
+    close = closest_key(name, allowed)
+    return f" (did you mean '{close}'?)" if close else ""
+
+
+def closest_key(name: str, allowed: Iterable[str]) -> str | None:
+    """The key of ``allowed`` that ``name`` is likely a misspelling of; None when none is close."""
+    allowed = sorted(allowed)
     # get_close_matches' cutoff (a ratio of 0.6) is out of reach for a key over 7/3 times as long as the longest
     # allowed one: one over 3 times is not compared at all, which would only cost (a key can be megabytes long).
     if len(name) > 3 * max(map(len, allowed), default=0):
-        return ""
-    close = difflib.get_close_matches(name, sorted(allowed), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+        return None
+    close = difflib.get_close_matches(name, allowed, n=1)
+    return close[0] if close else None
 
 
 def _last(key: str) -> str:

@@ -30,7 +30,7 @@ from pluggy._hooks import _SubsetHookCaller  # (pluggy's own subset caller; see 
 
 from nereid import hookspecs
 from nereid.backend import BackendClaim
-from nereid.config_document import same_values
+from nereid.config_document import closest_key, same_values
 from nereid.errors import ConfigError, cap_message, describe_exception, plugin_failures
 from nereid.runtime_options import layered_runtime
 from nereid.settings import DEFAULT_CONFIG_NAME
@@ -420,8 +420,10 @@ def check_backend_defaults(manager: NereidPluginManager, defaults: Mapping[str, 
         if name not in installed:
             left_out = manager.left_out(name)
             if not left_out:
+                close = closest_key(name, installed) if isinstance(name, str) else None
+                meant = f"; did you mean '{close}'?" if close else ""
                 raise ConfigError(f"{source}: backends.{name}: no such backend is installed "
-                                  f"(installed: {', '.join(installed)})")
+                                  f"(installed: {', '.join(installed)}{meant})")
             notes.append(f"{source}: backends.{name}: {left_out}; its defaults apply to nothing")
         elif (problem := defaults_problem(manager, name, defaults[name] or {}, f"{source}: backends.{name}")):
             notes.append(problem)

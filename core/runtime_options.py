@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, NoReturn
 
-from nereid.config_document import yaml_spelling
+from nereid.config_document import closest_key, yaml_spelling
 from nereid.errors import ConfigError, cap_message
 from nereid.settings import key_place
 
@@ -51,7 +51,9 @@ class RuntimeOptions:
         for key, value in runtime.items():
             if key not in allowed:
                 place = key_place(key) if isinstance(key, str) else None
-                hint = f"; {key} is {place}, not a runtime: option" if place else ""
+                close = closest_key(key, allowed) if isinstance(key, str) and not place else None
+                hint = (f"; {key} is {place}, not a runtime: option" if place else
+                        f"; did you mean '{close}'?" if close else "")
                 self.fail(key, f"unknown option of the {backend} backend ({known}{hint})", value)
 
     def fail(self, key: Any, problem: str, value: Any) -> NoReturn:

@@ -852,6 +852,7 @@ def test_backend_defaults_are_blamed_where_they_are_written(repo) -> None:
     config.write_text(text + "backends:\n  pyhton: {warm_start: false}\n")
     result = subprocess.run([*NEREID, "check", "--config", str(config)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and f"{config}: backends.pyhton: no such backend is installed" in result.stdout
+    assert "did you mean 'python'?)" in result.stdout  # (the error hunt: every other unknown key was told so)
     # ...and summed up as what it is: every model line said OK, the summary said a model had problems.
     assert result.stdout.splitlines()[-1] == f"{config}: 1 problem(s) in its backends: section"
     result = subprocess.run([*NEREID, "serve", "--config", str(config), "--bind", f"127.0.0.1:{free_port()}"],

@@ -35,10 +35,13 @@ def test_a_folder_without_main_py_is_claimed_only_when_declared(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("defaults,message", [
+    # (The error hunt: the likely key was said for every other unknown key, not for a runtime option.)
     ({"warm_sart": True}, "nereid.yaml: backends.python.warm_sart: unknown option of the python backend (allowed: "
-                          "preload, warm_start), got true"),
+                          "preload, warm_start; did you mean 'warm_start'?), got true"),
+    ({"zzz": True}, "nereid.yaml: backends.python.zzz: unknown option of the python backend (allowed: "
+                    "preload, warm_start), got true"),
     ({"warm_start": "yes"}, "nereid.yaml: backends.python.warm_start: must be true or false, got 'yes'"),
-], ids=["typo", "not a boolean"])
+], ids=["typo", "unknown", "not a boolean"])
 def test_a_mistake_in_backends_python_is_refused_naming_where_it_is(defaults: dict, message: str) -> None:
     with pytest.raises(ConfigError) as refused:
         plugin.nereid_check_defaults(defaults, "nereid.yaml: backends.python")

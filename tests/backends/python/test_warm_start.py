@@ -1038,7 +1038,8 @@ def test_bad_runtime_options_make_the_model_unavailable(repo, serve):
     server = serve(repo.write_config("- name: typo\n  runtime: {warmstart: false}\n"
                                      "- name: notbool\n  runtime: {warm_start: 'no', preload: [1]}\n"))
     index = {m.name: m.reason for m in server.client.get_model_repository_index().models}
-    assert "runtime.warmstart: unknown option of the python backend (allowed: preload, warm_start)" in index["typo"]
+    assert ("runtime.warmstart: unknown option of the python backend (allowed: preload, warm_start; did you mean "
+            "'warm_start'?)") in index["typo"]
     assert "runtime.warm_start: must be true or false, got 'no'" in index["notbool"]
 
 
