@@ -250,15 +250,20 @@ def _value(parameter: pb.InferParameter) -> object:
     return getattr(parameter, kind) if kind else None
 
 
+def _shown(parameter: pb.InferParameter) -> str:
+    """A parameter a refusal names, by its field and its value (``string_param '3'``): the field alone did not say
+    what was sent (the error hunt), and "got 'a string_param'" read as though the client had sent that text."""
+    kind = parameter.WhichOneof("parameter_choice")
+    return f"{kind} {brief_repr(getattr(parameter, kind), 64)}" if kind else "no value"
+
+
 def _check_sequence_id(model: str, parameter: pb.InferParameter) -> None:
     """InvalidArgument unless the ``sequence_id`` parameter is a correlation ID in the fields Triton's gRPC endpoint
     reads it from (int64_param or string_param; it refuses a uint64_param). A valid one is ignored, as Triton
     ignores it for a model without sequence batching (see :func:`~nereid.protocol.wire.check_sequence_id`)."""
-    kind = parameter.WhichOneof("parameter_choice")
-    if kind not in ("int64_param", "string_param"):
-        shown = f"{kind} {brief_repr(getattr(parameter, kind), 64)}" if kind else "no value"
+    if parameter.WhichOneof("parameter_choice") not in ("int64_param", "string_param"):
         raise InvalidArgument(f"model '{model}': parameter 'sequence_id' must be a correlation ID in an int64_param "
-                              f"or a string_param, got {shown}")
+                              f"or a string_param, got {_shown(parameter)}")
 
 
 def _class_count(model: str, output: str, parameter: pb.InferParameter) -> int:
@@ -266,11 +271,8 @@ def _class_count(model: str, output: str, parameter: pb.InferParameter) -> int:
     where = f"model '{model}': output '{output[:256]}'"
     kind = parameter.WhichOneof("parameter_choice")
     if kind not in ("int64_param", "uint64_param"):
-        # Named by its field and its value, as _timeout_us names them: "got 'a string_param'" (for a
-        # string_param "3") read as though the client had sent that text.
-        shown = f"{kind} {brief_repr(getattr(parameter, kind), 64)}" if kind else "no value"
         raise InvalidArgument(f"{where}: parameter 'classification' must be a non-negative integer count of classes "
-                              f"(int64_param or uint64_param), got {shown}")
+                              f"(int64_param or uint64_param), got {_shown(parameter)}")
     return class_count(where, getattr(parameter, kind), lambda value: f"{kind} {value}")  # (as above)
 
 
@@ -279,7 +281,7 @@ def _timeout_us(model: str, parameter: pb.InferParameter) -> int:
     kind = parameter.WhichOneof("parameter_choice")
     if kind not in ("int64_param", "uint64_param"):
         raise InvalidArgument(f"model '{model}': parameter 'timeout' must be a non-negative integer number of "
-                              f"microseconds (int64_param or uint64_param), got {kind or 'no value'}")
+                              f"microseconds (int64_param or uint64_param), got {_shown(parameter)}")
     timeout_us = getattr(parameter, kind)
     if timeout_us < 0:  # (worded as HTTP words it)
         raise InvalidArgument(f"model '{model}': parameter 'timeout' must be a non-negative integer number of "
