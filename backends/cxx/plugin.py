@@ -34,16 +34,25 @@ def nereid_claim_signs() -> str:
 
 @hookimpl
 def nereid_declaration_hint(folder: Path, config_name: str) -> str | None:
-    """A folder holding a textproto and nothing else a backend recognises looks like a cxx model."""
+    """A folder holding a textproto and, besides, only C or C++ sources or shared libraries looks like a cxx model
+    (the shipped cxx_scale holds its textproto and scale.cpp: the error hunt found the hint kept from it)."""
     try:
         visible = [p.name for p in folder.iterdir() if not p.name.startswith(".")]
     except OSError:  # gone (or unreadable) meanwhile: nothing to hint at; the load says what is wrong
         return None
-    if visible == [TEXTPROTO_NAME]:
-        # Only "may be": a python or cpp model whose main file is not written yet looks the same.
-        return (f"if it is a cxx model (a folder holding only {TEXTPROTO_NAME} may be one), declare it in "
-                f"{config_name} with backend: cxx and runtime: {{library: PATH}} (or runtime: {{sources: [...]}})")
-    return None
+    if TEXTPROTO_NAME not in visible:
+        return None
+    native = [name for name in visible if name != TEXTPROTO_NAME]
+    if not all(Path(name).suffix in NATIVE_FILE_SUFFIXES or ".so." in name for name in native):
+        return None
+    # Only "may be": a python or cpp model whose main file is not written yet looks the same.
+    held = f"only {TEXTPROTO_NAME}" if not native else f"{TEXTPROTO_NAME} and C or C++ code"
+    return (f"if it is a cxx model (a folder holding {held} may be one), declare it in "
+            f"{config_name} with backend: cxx and runtime: {{library: PATH}} (or runtime: {{sources: [...]}})")
+
+
+# What a cxx model's folder holds beside its textproto: the sources it is compiled from, or the library.
+NATIVE_FILE_SUFFIXES = frozenset({".c", ".cc", ".cpp", ".cxx", ".h", ".hh", ".hpp", ".hxx", ".so"})
 
 
 @hookimpl

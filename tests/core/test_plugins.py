@@ -110,8 +110,8 @@ def test_each_backend_checks_its_defaults_with_no_model_of_it_served() -> None:
     defaults = {"python": {"warm_sart": False}, "xla": {"batch_sizes": "smallest"}, "cxx": {"bogus": 1},
                 "cpp": {"flags": "-O3"}, "meta": {"x": 1}}
     assert check_backend_defaults(manager, defaults, "n.yaml") == [
-        "n.yaml: backends.python.warm_sart: unknown option of the python backend (allowed: preload, warm_start), "
-        "got false",
+        "n.yaml: backends.python.warm_sart: unknown option of the python backend (allowed: preload, warm_start; "
+        "did you mean 'warm_start'?), got false",
         "n.yaml: backends.xla.batch_sizes: must be one of all, largest, got 'smallest'",
         "n.yaml: backends.cxx.bogus: unknown option of the cxx backend (allowed: library, sources), got 1",
         "n.yaml: backends.cpp.flags: unknown option of the cpp backend (it has no runtime options), got '-O3'",

@@ -54,6 +54,12 @@ def test_a_folder_holding_only_a_textproto_gets_the_hint_to_declare_it(tmp_path)
     (folder / ".cache").mkdir()  # hidden entries are not the model's own files
     hint = plugin.nereid_declaration_hint(folder, "nereid.yaml")
     assert hint is not None and "declare it in nereid.yaml with backend: cxx and runtime: {library: PATH}" in hint
+    # With its C++ sources or its library beside it, as the shipped cxx_scale (the error hunt: no hint was given).
+    (folder / "scale.cpp").write_text("")
+    (folder / "libscale.so.1").write_text("")
+    hint = plugin.nereid_declaration_hint(folder, "nereid.yaml")
+    assert hint is not None and hint.startswith("if it is a cxx model (a folder holding model_inference.textproto "
+                                                "and C or C++ code may be one), declare it in nereid.yaml")
     (folder / "main.py").write_text("")  # something another backend recognises: no cxx hint
     assert plugin.nereid_declaration_hint(folder, "nereid.yaml") is None
 
