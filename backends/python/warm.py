@@ -459,7 +459,7 @@ class WarmParent:
             # the next batch's fork request, and is replaced then.
             raise timed_out(self.name, timeout_s, f"its process group was killed, but its {self.called} process "
                                                   f"(pid {parent.pid}) did not report its end within "
-                                                  f"{STOP_GRACE_S:g} s (stopped or wedged?)", self.config_name)
+                                                  f"{STOP_GRACE_S:g} s (stopped or wedged?)", self.config_name, tail)
         if "status" not in ended:
             raise self._died(parent, "it ended while the run was in progress")
         if ended["status"] == FOLDER_NOT_ENTERED_EXIT and exited and not terminated:

@@ -137,7 +137,7 @@ class SubprocessModel:
                                       f"({self.context.config_name}): the run was stopped")
                 if result.timed_out:
                     raise timed_out(name, self.context.settings.timeout_s, "its process group was killed",
-                                    self.context.config_name)
+                                    self.context.config_name, result.output_tail)
                 try:
                     if result.returncode != 0:
                         tail = f"; output tail: {result.output_tail}" if result.output_tail else ""

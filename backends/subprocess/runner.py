@@ -81,13 +81,16 @@ class ProcessResult:
         return f"exited with code {self.returncode}"
 
 
-def timed_out(name: str, timeout_s: float, how_it_ended: str, config_name: str = DEFAULT_CONFIG_NAME) -> ModelTimedOut:
+def timed_out(name: str, timeout_s: float, how_it_ended: str, config_name: str = DEFAULT_CONFIG_NAME,
+              output_tail: str = "") -> ModelTimedOut:
     """The error for a run of model ``name`` still going at its ``timeout_s``: one wording for a cold run and a
     warm one, ``how_it_ended`` saying what was done about it; ``config_name``: the configuration file that sets
-    timeout_s (ModelContext.config_name)."""
+    timeout_s (ModelContext.config_name); ``output_tail``: what the run printed last, as every other failed run's
+    error reports it (the author hunt: a hung model's "waiting for db:5432 ..." was told nowhere)."""
     # (Which setting, and its default: a model without one was told of a timeout_s nowhere written.)
+    tail = f"; output tail: {output_tail}" if output_tail else ""
     return ModelTimedOut(f"model '{name}' timed out after {timeout_s:g} s (the model's timeout_s in {config_name}, "
-                         f"default {DEFAULT_TIMEOUT_S:g} s); {how_it_ended}")
+                         f"default {DEFAULT_TIMEOUT_S:g} s); {how_it_ended}{tail}")
 
 
 class FolderNotEntered(Exception):

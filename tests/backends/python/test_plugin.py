@@ -611,6 +611,19 @@ def test_hang_past_timeout_kills_the_process_group(faulty_server, repo, no_zombi
     assert zombie_children() == []
 
 
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_timed_out_run_s_error_reports_what_it_printed_last(repo, serve, warm):
+    """Found by the author hunt: every failed run's error ends with its output tail, except one that timed out,
+    where a hung model's last words ("waiting for db:5432 ...") say where it hung."""
+    repo.python_warm_start = warm
+    repo.python("stuck", main="import sys, time\nprint('waiting for db:5432 ...', file=sys.stderr, flush=True)\n"
+                              "time.sleep(30)\n")
+    server = serve(repo.write_config('- name: "stuck"\n  timeout_s: 1\n'))
+    message = expect_error(server, "stuck", good_row(0))
+    assert "model 'stuck' timed out after 1 s" in message
+    assert message.endswith("; output tail: waiting for db:5432 ..."), message
+
+
 def test_background_process_of_a_successful_request_is_killed(faulty_server, repo, no_zombies):
     """Nothing a model starts outlives its request, even when the request succeeds."""
     server = faulty_server
