@@ -30,7 +30,16 @@ class NamedTensor:
 
     @classmethod
     def from_array(cls, name: str, data: np.ndarray) -> NamedTensor:
-        """Build a tensor whose datatype is derived from the array's dtype."""
+        """Build a tensor whose datatype is derived from the array's dtype, as tritonclient's
+        ``set_data_from_numpy`` and Triton's ``pb_utils.Tensor`` derive it: a fixed-width bytes or str array (numpy
+        ``S``, ``U``) is BYTES, its elements bytes or str objects, and an array of the other byte order (``>f4``)
+        is its datatype's, in this machine's order (the meta hunt: a BLS port's ``np.array([b"a"])`` failed its
+        orchestration)."""
+        if isinstance(data, np.ndarray):
+            if data.dtype.kind in "SU":
+                data = data.astype(object)
+            elif not data.dtype.isnative:
+                data = data.astype(data.dtype.newbyteorder("="))
         return cls(name, DType.of(data), data)
 
 

@@ -50,6 +50,21 @@ def test_bytes_contents_sent_without_length_prefixes_are_told_the_layout_expecte
         split_bytes_elements(b"\x01\x00\x00\x00a\x05\x00")
 
 
+def test_from_array_takes_bytes_and_str_arrays_as_bytes_and_either_byte_order() -> None:
+    """Found by the meta hunt: ``from_array`` refused what tritonclient's set_data_from_numpy and Triton's
+    pb_utils.Tensor take (``np.array([b"a"])``, ``np.array(["a"])``, a big-endian array), failing a BLS port's
+    orchestration with "numpy dtype |S1 has no nereid datatype"."""
+    for array, elements in ((np.array([b"a", b"bc"]), [b"a", b"bc"]), (np.array(["x", "y\u00e9"]), ["x", "y\u00e9"])):
+        tensor = NamedTensor.from_array("t", array.reshape(1, 2))
+        assert tensor.dtype is DType.BYTES and tensor.data.dtype == object and tensor.data.shape == (1, 2)
+        assert tensor.data.ravel().tolist() == elements
+    tensor = NamedTensor.from_array("t", np.array([1.5, -2.0], dtype=">f4"))
+    assert tensor.dtype is DType.FP32 and tensor.data.dtype == np.dtype("=f4") and tensor.data.tolist() == [1.5, -2.0]
+    assert tensor_bytes(tensor) == np.array([1.5, -2.0], dtype="<f4").tobytes()
+    with pytest.raises(ValueError, match="numpy dtype complex64 has no nereid datatype"):
+        NamedTensor.from_array("t", np.zeros(2, np.complex64))
+
+
 @pytest.mark.parametrize("count", [0, 1, 64, 65, 3000])
 def test_many_bytes_elements_join_as_few_do(count: int) -> None:
     """Past 64 elements the join is laid out with numpy: the same bytes as the element-by-element form."""
