@@ -27,7 +27,7 @@ from nereid.backend import (CallsModels, ChecksInputs, ModelContext, ReportsRunt
                             runtime_report_problem, what_it_calls)
 from nereid.backend_calls import bounded_backend_call
 from nereid.daemon_pool import ThreadStartFailed, release_server_pools
-from nereid.dependencies import callers_readiness
+from nereid.dependencies import Readiness, callers_readiness
 from nereid.errors import ConfigError, backend_exit, cap_message, plugin_failures
 from nereid.files import check_confined, warn_if_file_names_not_utf8
 from nereid.init_process import fork_init_if_pid_1
@@ -426,6 +426,7 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
     config_problems = 0  # the backends: section's, counted apart: they are no model's
     listing_problem = ""  # why the model folders could not be listed, when that leaves nothing to check
     waiting = 0  # listed models whose folders are not there (yet)
+    callers_waiting = 0  # models that call only those among the models not ready
     names: list[str] = []  # the model folders checked
     # A stop the console script recorded (see nereid.entry) acts from here, right before the check's own handlers
     # go in: redelivered after the command line was read, one during nereid.yaml's reading gave a Ctrl-C traceback,
@@ -495,13 +496,16 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
             else:
                 problems += 0 if checked.status == "OK" else 1
                 print(checked.line())
+        waiting_names: set[str] = set()
         for model in settings.models:
             if model.name not in states:  # listed before its folder, as dynamic mode allows
-                waiting += 1
+                waiting_names.add(model.name)
                 states[model.name] = ("UNAVAILABLE", waiting_for_folder(model.name))
                 print(one_record_per_line(f"{model.name}: WAITING: {waiting_for_folder(model.name)} (server.watch "
                                           "loads it when the folder lands; the server is not ready until then)"))
-        problems += _check_callers(callers, states, not_listed)
+        waiting = len(waiting_names)
+        caller_problems, callers_waiting = _check_callers(callers, states, not_listed, waiting_names)
+        problems += caller_problems
     except KeyboardInterrupt as stop:
         signals.close()  # (a second signal, or a delivery pending, must not interrupt what follows)
         killed = kill_children()
@@ -533,8 +537,9 @@ def check(settings: Settings, manager: NereidPluginManager | None = None, *, end
     if waiting:
         # (Not a problem: dynamic mode allows it. But a typo in a name reads the same, and the server is not ready
         # until the folder lands: said in the verdict, where it read "OK" alone; the CLI hunt.)
-        verdict += (f" ({waiting} listed model(s) waiting for their folders: the server is not ready until they "
-                    "land)")
+        callers_too = f", and {callers_waiting} model(s) calling them" if callers_waiting else ""
+        verdict += (f" ({waiting} listed model(s) waiting for their folders{callers_too}: the server is not ready "
+                    "until they land)")
     print(one_record_per_line(f"{settings.source}: {verdict}"))
     return 1 if problems or config_problems or listing_problem or manager.problems else 0
 
@@ -675,30 +680,43 @@ class _Checked:
         return one_record_per_line(f"{self.name}: {self.status} {self.details}")
 
 
-def _check_callers(callers: list[_Checked], states: dict[str, tuple[str, str]], not_listed: str) -> int:
-    """Print the lines of models that call other models, judged as a server would; how many have a problem.
-    ``not_listed``: the reason ``states`` gives a model the configuration file does not list.
+def _check_callers(callers: list[_Checked], states: dict[str, tuple[str, str]], not_listed: str,
+                   waiting: set[str]) -> tuple[int, int]:
+    """Print the lines of models that call other models, judged as a server would; how many have a problem, and
+    how many wait only for listed models whose folders are not there yet (``waiting``). ``not_listed``: the reason
+    ``states`` gives a model the configuration file does not list.
 
     A meta model that loads fine but calls a model the server would not serve
     (no such folder, one that fails, one not listed in nereid.yaml, a cycle)
     would stay UNAVAILABLE, and ServerReady false: a problem, said on its line.
+    One that calls a listed model waiting for its folder, as dynamic mode
+    allows, becomes READY once that lands, as the waiting model itself does:
+    WAITING (the meta hunt: it failed the check, where its sub-model passed).
     """
-    at_start = {c.name: c.depends_on for c in callers if c.loaded_at_start}
-    verdicts = callers_readiness(at_start, states)
-    # One not loaded at start is judged as a later load of it would be: the unlisted models it calls that
-    # checked fine can be loaded first.
-    loadable = {name: ("READY", "") if state == ("UNAVAILABLE", not_listed) else state
-                for name, state in states.items()}
-    everyone = callers_readiness({c.name: c.depends_on for c in callers}, loadable)
-    verdicts.update({name: verdict for name, verdict in everyone.items() if name not in at_start})
-    problems = 0
+    def verdicts_in(states: dict[str, tuple[str, str]]) -> dict[str, Readiness]:
+        at_start = {c.name: c.depends_on for c in callers if c.loaded_at_start}
+        verdicts = callers_readiness(at_start, states)
+        # One not loaded at start is judged as a later load of it would be: the unlisted models it calls that
+        # checked fine can be loaded first.
+        loadable = {name: ("READY", "") if state == ("UNAVAILABLE", not_listed) else state
+                    for name, state in states.items()}
+        everyone = callers_readiness({c.name: c.depends_on for c in callers}, loadable)
+        verdicts.update({name: verdict for name, verdict in everyone.items() if name not in at_start})
+        return verdicts
+
+    verdicts = verdicts_in(states)
+    landed = verdicts_in({name: ("READY", "") if name in waiting else state for name, state in states.items()})
+    problems = waits = 0
     for checked in callers:
         verdict = verdicts[checked.name]
-        if not verdict.ready:
-            checked.status = f"UNAVAILABLE: {verdict.why}; loaded as"
+        if not verdict.ready and landed[checked.name].ready:
+            checked.status = f"WAITING: {verdict.why} (it is READY once the folders it waits for land); loaded as"
+            waits += 1
+        elif not verdict.ready:  # (said by what keeps it so once the folders waited for land: the lasting cause)
+            checked.status = f"UNAVAILABLE: {landed[checked.name].why}; loaded as"
             problems += 1
         print(checked.line())
-    return problems
+    return problems, waits
 
 
 def _check_model(settings: Settings, manager: NereidPluginManager, scratch: Path, name: str,

@@ -247,6 +247,34 @@ def test_nereid_check_fails_a_meta_model_a_server_would_keep_unavailable(tmp_pat
     assert lines["typo"].startswith("typo: UNAVAILABLE: dependency 'a_typo' is not a model")  # still a problem
 
 
+def test_nereid_check_shows_a_meta_model_calling_a_model_waiting_for_its_folder_waiting_too(tmp_path: Path,
+                                                                                             capsys) -> None:
+    """Found by the meta hunt: in dynamic mode, a listed model whose folder has not landed is WAITING (exit 0), but
+    a meta model calling it failed the check, though the server makes both READY once the folder lands. One that
+    also calls a model with no way to become ready is still a problem."""
+    root = tmp_path / "ml-backends"
+    root.mkdir()
+    meta_folder(root, "pipeline", manifest=META.replace("[a, b]", "[later]"))
+    meta_folder(root, "above", manifest=META.replace("[a, b]", "[pipeline]"))
+    (tmp_path / "nereid.yaml").write_text('server:\n  ml_backends_path: "ml-backends"\n  watch: true\n'
+                                          "models:\n  - name: pipeline\n  - name: above\n  - name: later\n")
+    assert check(load_settings(tmp_path / "nereid.yaml")) == 0
+    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["pipeline"].startswith("pipeline: WAITING: dependency 'later' is not ready (UNAVAILABLE: waiting for "
+                                        "its folder 'later' in ml_backends_path) (it is READY once the folders it "
+                                        "waits for land); loaded as backend=meta ")
+    assert lines["above"].startswith("above: WAITING: dependency 'pipeline' is not ready")
+    assert lines[str(tmp_path / "nereid.yaml")] == (
+        f"{tmp_path / 'nereid.yaml'}: OK (1 listed model(s) waiting for their folders, and 2 model(s) calling them: "
+        "the server is not ready until they land)")
+    # Told by what keeps it unavailable once the folder lands.
+    meta_folder(root, "broken", manifest=META.replace("[a, b]", "[later, typo]"))
+    assert check(load_settings(tmp_path / "nereid.yaml")) == 1
+    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["broken"].startswith("broken: UNAVAILABLE: dependency 'typo' is not a model of this server"), \
+        lines["broken"]
+
+
 def test_readiness_changes_caused_by_dependencies_are_logged_once_each(tmp_path: Path, caplog) -> None:
     # A meta model loaded before what it calls was logged "is READY" while UNAVAILABLE, and its later
     # transitions (its dependency loading, unloading, loading again) were never logged at all.
