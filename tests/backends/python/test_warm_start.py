@@ -234,6 +234,18 @@ def test_an_executor_main_py_never_shuts_down_ends_with_its_run_as_at_interprete
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_the_preloads_objects_are_frozen_out_of_the_collector_s_sight_in_a_warm_run_only(repo, serve, warm):
+    """What the README tells model authors (the author hunt found it unsaid): a warm run's gc.get_objects() does not
+    see what the preloads made, frozen in the parent so that no collection writes to the pages runs share."""
+    repo.python_warm_start = warm
+    repo.python("gc_view", textproto=REPORT, main=reply_main(
+        '{"frozen": gc.get_freeze_count() > 0, "seen": any(o is fractions.Fraction for o in gc.get_objects())}',
+        prelude="import gc, fractions"))
+    server = serve(repo.write_config())
+    assert ask(server, "gc_view") == {"frozen": warm, "seen": not warm}
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 def test_main_py_that_does_not_compile_is_a_load_failure_and_a_reload_keeps_the_old_version(repo, serve, warm):
     """Defect: a main.py that parses but does not compile ('break' outside a loop) loaded READY and failed every
     run; with watch: true, such an edit replaced the working version. Cold (warm_start: false), the index said the
