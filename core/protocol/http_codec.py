@@ -154,7 +154,7 @@ def _parse_json(model: str, header: bytes | memoryview, body: bytes | memoryview
     if body is None:
         _refuse_binary_without_header_length(model, bytes(header))
         raise InvalidArgument(f"model '{model}': the request body is not valid JSON ({error})")
-    _refuse_header_length_off(model, bytes(body), len(header))
+    _refuse_header_length_off(model, body, len(header))
     raise InvalidArgument(f"model '{model}': the JSON header (the body's first {len(header)} bytes, as "
                           f"{HEADER_LENGTH_HEADER} says) is not valid JSON ({error})")
 
@@ -235,15 +235,21 @@ def _refuse_binary_without_header_length(model: str, body: bytes) -> None:
                           f"tensor data needs {HEADER_LENGTH_HEADER}: {length}")
 
 
-def _refuse_header_length_off(model: str, body: bytes, header_length: int) -> None:
+def _refuse_header_length_off(model: str, body: bytes | memoryview, header_length: int) -> None:
     """InvalidArgument when ``body`` starts with a JSON document of another length than Inference-Header-Content-
     Length says: the header's length counted wrong (in characters, say, where a non-ASCII ``id`` takes more bytes),
-    which was told as "not valid JSON" of a valid document (the error hunt). Returns when it is not that."""
-    length = _leading_document_length(body)
+    which was told as "not valid JSON" of a valid document (the error hunt). Returns when it is not that.
+
+    Only the header and 64 KiB past it are looked at: the mistake is a few bytes, and decoding the whole body, its
+    binary data too, held the event loop (the GIL) a second per 64 MiB refused (the review)."""
+    length = _leading_document_length(bytes(memoryview(body)[:header_length + HEADER_LENGTH_SLACK]))
     if length is None or length == header_length:
         return
     raise InvalidArgument(f"model '{model}': {HEADER_LENGTH_HEADER} is {header_length}, but the body starts with a "
                           f"JSON document of {length} bytes (the header's length counts its bytes, as UTF-8)")
+
+
+HEADER_LENGTH_SLACK = 64 << 10  # how far past Inference-Header-Content-Length a JSON header's end is looked for
 
 
 def _leading_document_length(body: bytes) -> int | None:

@@ -386,6 +386,20 @@ def test_a_header_length_off_from_the_json_header_s_is_told_so(off_by: int) -> N
         f"document of {len(header)} bytes (the header's length counts its bytes, as UTF-8)")
 
 
+def test_a_bad_json_header_s_length_is_looked_for_near_it_not_in_the_whole_body(monkeypatch) -> None:
+    """Found by the review: the whole body, its binary data too, was decoded as text to find where the JSON
+    ended, holding the GIL a second per 64 MiB refused."""
+    from nereid.protocol import http_codec
+    looked_at: list[int] = []
+    leading = http_codec._leading_document_length
+    monkeypatch.setattr(http_codec, "_leading_document_length", lambda body: looked_at.append(len(body)) or
+                        leading(body))
+    body = b'{"inputs": [},' + bytes(8 << 20)
+    with pytest.raises(InvalidArgument, match="is not valid JSON"):
+        decode_infer("m", body, 14)
+    assert looked_at == [14 + http_codec.HEADER_LENGTH_SLACK]
+
+
 def test_a_json_header_of_the_length_said_that_is_not_json_names_the_header() -> None:
     body = b'{"inputs": [}' + b"A" * 8
     with pytest.raises(InvalidArgument, match=r"^model 'm': the JSON header \(the body's first 13 bytes, as "
