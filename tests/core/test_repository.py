@@ -1238,7 +1238,7 @@ def test_the_notes_on_new_settings_are_logged_once_however_often_they_are_checke
     asyncio.run(repo.apply_settings(edited))
     assert [r.getMessage() for r in caplog.records if "warm_sart" in r.getMessage()] == [
         f"{tmp_path / 'nereid.yaml'}: backends.python.warm_sart: unknown option of the python backend (allowed: "
-        "preload, warm_start), got true"]
+        "preload, warm_start; did you mean 'warm_start'?), got true"]
 
 
 @pytest.mark.parametrize("edited", [True, False], ids=["files edited meanwhile", "nothing changed"])

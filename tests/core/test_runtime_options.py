@@ -23,9 +23,12 @@ def test_a_key_nereid_yaml_takes_elsewhere_is_told_where(key, place) -> None:
                                  f"(allowed: preload, warm_start; {key} is {place}, not a runtime: option), got 1")
 
 
-def test_another_unknown_key_gets_the_options_alone() -> None:
+def test_another_unknown_key_gets_the_options_and_the_likely_one() -> None:
     assert refusal({"warmstart": True}) == ("nereid.yaml: models[0].runtime.warmstart: unknown option of the python "
-                                            "backend (allowed: preload, warm_start), got true")
+                                            "backend (allowed: preload, warm_start; did you mean 'warm_start'?), got "
+                                            "true")
+    assert refusal({"zzz": True}) == ("nereid.yaml: models[0].runtime.zzz: unknown option of the python backend "
+                                      "(allowed: preload, warm_start), got true")
     assert refusal({"backend": "x"}, "cpp", ()) == (
         "nereid.yaml: models[0].runtime.backend: unknown option of the cpp backend (it has no runtime options; "
         "backend is a model entry's key, not a runtime: option), got 'x'")
