@@ -454,6 +454,9 @@ class DataPlane:
                     current = self._serving(request.model_name)
                     if current is not None and current is not model:
                         model = current
+                        # Accepted already: it waits for room there rather than be refused (a reload's queue handed
+                        # over to a version of smaller queue_capacity lost requests; the review).
+                        wait_for_room = True
                         continue
                 model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
                 raise
@@ -546,7 +549,9 @@ async def _wait_for_room(scheduler: ModelScheduler, deadline_ns: int, timing: Re
     try:
         await scheduler.wait_for_room(deadline_ns, again=again)
     finally:
-        timing.queue_ns += time.monotonic_ns() - began_ns
+        waited_ns = time.monotonic_ns() - began_ns
+        timing.queue_ns += waited_ns
+        timing.room_wait_ns += waited_ns
 
 
 def _log_unanswered(what: str, task: asyncio.Task) -> None:

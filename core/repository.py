@@ -842,7 +842,7 @@ class ModelRepository:
             self._enter_loaded_version(entry)  # the new version may call other models
             self._record(name, "reload")
         self.in_background(self._retire(self._retiring_version(name, old, entry), self._replaced_version_grace(old),
-                                        hand_over=True),
+                                        successor=new),
                            f"model '{name}': unloading the version load {entry.generation} replaced")
         return entry
 
@@ -1306,6 +1306,13 @@ class ModelRepository:
         grace = self.settings.server.shutdown_grace_s
         return grace if loaded.longest_run_s is None else max(grace, loaded.longest_run_s + RUN_END_MARGIN_S)
 
+    def _takes_over(self, name: str, old: LoadedVersion, new: LoadedVersion) -> bool:
+        """Whether ``new``, which replaced ``old`` in a reload, takes ``old``'s queued requests: it serves now (READY:
+        not a meta model waiting for a model it calls, nor unloaded or replaced since) and has the same signature,
+        so each runs there as it would have here. Otherwise they finish on ``old``, as before the hand-over (the
+        review: a new input shape, or a successor not READY, failed requests the old version would have run)."""
+        return self.serving(name) is new and new.signature == old.signature
+
     def _retiring_version(self, name: str, loaded: LoadedVersion, entry: ModelEntry) -> RetiringVersion:
         """Count ``loaded`` as retiring from now on, before it is taken off its entry: a shutdown ends its
         running work too, its queue stays in the metrics, its scratch folders stay while it runs."""
@@ -1314,9 +1321,10 @@ class ModelRepository:
         return retiring
 
     async def _retire(self, retiring: RetiringVersion, grace_s: float | None = None, *,
-                      hand_over: bool = False) -> None:
-        """Let one version's queued and running requests finish, then release it; ``hand_over`` (a version a
-        reload replaced): its queued requests go to the version now serving instead (see ModelScheduler.drain).
+                      successor: LoadedVersion | None = None) -> None:
+        """Let one version's queued and running requests finish, then release it; ``successor`` (the version that
+        replaced it in a reload): its queued requests go there instead, when it can take them (see
+        :meth:`_takes_over` and ModelScheduler.drain).
 
         A scratch folder a removal left to it (see :meth:`FolderCleanup.drop_scratch`) is deleted then.
         """
@@ -1338,6 +1346,7 @@ class ModelRepository:
         let_go_done = False
         try:
             # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
+            hand_over = successor is not None and self._takes_over(name, loaded, successor)
             await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
                                          end_running, hand_over=hand_over)
             # In turns, once drained (a turn is for the release's threads, not for requests finishing): each

@@ -674,10 +674,10 @@ class ModelScheduler:
         """Answer a request that will never run: an expired one (its caller still waits) gets DeadlineExceeded;
         ``not_run``: why its batch was to be sent again (see :meth:`_execute`)."""
         if not work.future.done():
-            # (Its timing's queue time, until an execution succeeds for it, is what it waited for room before: a
-            # stream's request told only of its time in the queue left that wait out; the hunt of the statistics.)
+            # (What it waited for room before: a stream's request told only of its time in the queue left that wait
+            # out; the hunt of the statistics.)
             work.future.set_exception(self._deadline_error(work.deadline_ns, work.enqueued_ns, time.monotonic_ns(),
-                                                           not_run, work.timing.queue_ns if work.timing else 0))
+                                                           not_run, work.timing.room_wait_ns if work.timing else 0))
 
     def _deadline_error(self, deadline_ns: int, enqueued_ns: int, now: int, not_run: NotStarted | None = None,
                         room_wait_ns: int = 0) -> DeadlineExceeded:

@@ -105,13 +105,16 @@ class RequestTiming:
     execution succeeds (a model's hooks add the request's own time in them: nereid.model_runner), and charged to
     the model's statistics only if the request then succeeds.
 
-    A plain class with two slots: one is made per request.
+    A plain class with three slots: one is made per request.
     """
 
-    __slots__ = ("queue_ns", "compute_ns")
+    __slots__ = ("queue_ns", "room_wait_ns", "compute_ns")
 
     def __init__(self) -> None:
         self.queue_ns = 0  # in the queue, waiting for room in it (a stream's request) and for a hook thread
+        # Of that, waiting for room in a full queue: what a deadline's message tells apart (queue time spent in a
+        # version a reload replaced is no wait for room; the review).
+        self.room_wait_ns = 0
         # The execution's (input, infer, output) times, shared by its requests (one with hooks gets its own tuple, its
         # hooks' time added); None: none succeeded for it.
         self.compute_ns: tuple[int, int, int] | None = None

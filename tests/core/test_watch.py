@@ -171,26 +171,39 @@ def test_edit_under_load_swaps_versions_without_a_failed_request(repo, serve):
     wait_for(lambda: not os.path.exists(f"/proc/{first['parent']}"))  # ...and the old one is gone
 
 
+def held_model(repo, gate: Path) -> Path:
+    """A model 'live' of version 1 whose runs wait until ``gate`` exists; its folder."""
+    folder = repo.models_dir / "live"
+    write_model(folder, "1")
+    (folder / "main.py").write_text(version_main("1").replace(
+        "sys.stdin.buffer.read()", f"import time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.01)\n"
+                                   "sys.stdin.buffer.read()"))
+    return folder
+
+
+def one_running_three_queued(server) -> queue.Queue:
+    """Send 'live' four requests: one running (held at its gate), three queued behind it; the queue of answers."""
+    answers: queue.Queue = queue.Queue()
+    tensor = triton.InferInput("input", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[b"x"]], dtype=object))
+    for _ in range(4):
+        server.client.async_infer("live", [tensor], callback=lambda result, error: answers.put((result, error)))
+    wait_for(lambda: server.server.repository.entry("live").loaded.scheduler.queue_depth == 3)
+    return answers
+
+
+ONE_AT_A_TIME = '- name: "live"\n  instances: 1\n  batching: {enabled: false}\n'
+
+
 def test_a_reload_hands_the_queued_requests_to_the_new_version_and_the_old_finishes_its_running_one(repo, serve):
     """Found by the reload hunt: the replaced version ran its whole queue, one request after another, within its
     grace, while the new version stood idle; a queue of 100 one-second requests had 34 failed at the grace's end.
     The queued requests go to the new version at once; the running one finishes on the old."""
     gate = repo.root / "gate"
-    folder = repo.models_dir / "live"
-    write_model(folder, "1")
-    held = version_main("1").replace("sys.stdin.buffer.read()", "import time\n"
-                                      f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.01)\n"
-                                      "sys.stdin.buffer.read()")
-    (folder / "main.py").write_text(held)
-    one_at_a_time = '- name: "live"\n  instances: 1\n  batching: {enabled: false}\n'
-    server = serve(repo.write_config(one_at_a_time, server_extra=SETTLE))
-    answers: queue.Queue = queue.Queue()
-    tensor = triton.InferInput("input", [1, 1], "BYTES")
-    tensor.set_data_from_numpy(np.array([[b"x"]], dtype=object))
-    for _ in range(4):  # one running (held at the gate), three queued behind it
-        server.client.async_infer("live", [tensor], callback=lambda result, error: answers.put((result, error)))
+    folder = held_model(repo, gate)
+    server = serve(repo.write_config(ONE_AT_A_TIME, server_extra=SETTLE))
+    answers = one_running_three_queued(server)
     try:
-        wait_for(lambda: server.server.repository.entry("live").loaded.scheduler.queue_depth == 3)
         (folder / "main.py").write_text(version_main("2"))
         queued = [answers.get(timeout=30) for _ in range(3)]  # while the old version's run is still held
     finally:
@@ -199,6 +212,30 @@ def test_a_reload_hands_the_queued_requests_to_the_new_version_and_the_old_finis
     assert [error for _, error in queued + [running]] == [None] * 4
     versions = [json.loads(result.as_numpy("output")[0, 0])["version"] for result, _ in queued + [running]]
     assert versions == ["2", "2", "2", "1"]
+    stats = server.client.get_inference_statistics("live").model_stats[0].inference_stats
+    assert (stats.success.count, stats.fail.count) == (4, 0)
+
+
+@pytest.mark.parametrize("change", ["a smaller queue", "another input shape"])
+def test_queued_requests_a_reload_could_fail_are_answered_all_the_same(repo, serve, change):
+    """Found by the review of the hand-over: requests handed to a version of smaller queue_capacity were refused
+    "queue is full", and to one of another input shape "has shape [1, 1], expected ..."; where the old version
+    would have run them. A handed-over request waits for room; a new signature keeps the queue on the old version."""
+    gate = repo.root / "gate"
+    folder = held_model(repo, gate)
+    config = repo.write_config(ONE_AT_A_TIME + "  queue_capacity: 8\n", server_extra=SETTLE)
+    server = serve(config)
+    answers = one_running_three_queued(server)
+    try:
+        if change == "a smaller queue":  # an edit of nereid.yaml reloads the model
+            config.write_text(config.read_text().replace("queue_capacity: 8", "queue_capacity: 1"))
+        else:
+            (folder / "model_inference.textproto").write_text(REPORT.replace("[1]", "[2]"))
+        wait_for(lambda: generation(server, "live") == 2)
+    finally:
+        gate.write_text("")
+    got = [answers.get(timeout=30) for _ in range(4)]
+    assert [error for _, error in got] == [None] * 4
     stats = server.client.get_inference_statistics("live").model_stats[0].inference_stats
     assert (stats.success.count, stats.fail.count) == (4, 0)
 
