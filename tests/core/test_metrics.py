@@ -278,6 +278,9 @@ def test_queue_depth_counts_the_requests_waiting_on_a_version_that_drains(tmp_pa
         old = repository.ready_model("g").scheduler
         requests = [asyncio.ensure_future(old.submit([x], 1, 0)) for _ in range(3)]  # one runs, two wait
         await until(lambda: old.queue_depth == 2)
+        # Another signature: the old version keeps its queue (one that serves the same hands it over; see
+        # ModelRepository._takes_over).
+        (folder / "model_inference.textproto").write_text("input_shape: [4]\noutput_shape: [4]\nmax_batch_size: 16\n")
         await repository.reload("g")
         new = repository.ready_model("g").scheduler
         requests += [asyncio.ensure_future(new.submit([x], 1, 0)) for _ in range(2)]  # one runs, one waits
