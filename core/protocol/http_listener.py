@@ -179,10 +179,14 @@ class _UvicornRecords(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg == INVALID_REQUEST_LINE:
             return False  # _BoundedHeadProtocol.send_400_response logs the refusal, naming its client and reason
-        # Its ERROR at the end of a grace that ran out is DEBUG too: that is the documented end of a stop, which
-        # nereid's own WARNING already says (how many executions it ends), and an ERROR would page whoever
-        # alerts on the log.
-        if logging.DEBUG < record.levelno < logging.WARNING or record.msg == GRACE_EXCEEDED_LINE:
+        if record.msg == GRACE_EXCEEDED_LINE:
+            # The documented end of a stop whose grace ran out, not an ERROR to page whoever alerts on the log; but
+            # the count of HTTP requests it cuts is said, as gRPC's is (demoted to DEBUG, HTTP requests answered
+            # 503 at the grace were told of nowhere; the log hunt).
+            log.warning("%s HTTP request(s) still in flight after the grace (shutdown_grace_s): answering them 503",
+                        *record.args)
+            return False
+        if logging.DEBUG < record.levelno < logging.WARNING:
             if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
                 return False
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
