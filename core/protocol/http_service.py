@@ -169,6 +169,11 @@ class HttpSurface:
         except HttpError as err:
             status, body, headers = err.status, error_body(str(err)), [*JSON_HEADERS, *err.headers]
         except NereidError as err:
+            if isinstance(err, OutOfMemory):
+                # The server's passing condition, for its operator to see, as over gRPC (the log hunt: over HTTP the
+                # 503s of a server short of memory were told of nowhere).
+                client_log.log(logging.WARNING, "HTTP %s %s from %s: %s; answered 503", scope["method"],
+                               cap_message(scope["path"], 256), peer(scope.get("client")), err)
             status = status_of(err)
             body, headers = error_body(self.dataplane.error_text(err)), JSON_HEADERS
         except MemoryError:

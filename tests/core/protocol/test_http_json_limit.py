@@ -204,9 +204,10 @@ def test_a_cancelled_handler_keeps_the_next_large_decode_waiting_until_its_decod
 
 
 @pytest.mark.parametrize("failure", ["memory_error", "orjson_allocation"])
-def test_out_of_memory_decoding_is_503_counted_as_the_servers_failure(repo, serve, monkeypatch, failure):
+def test_out_of_memory_decoding_is_503_counted_as_the_servers_failure(repo, serve, monkeypatch, failure, caplog):
     """Defect: orjson's allocation failure was 400 "the request body is not valid JSON", counted
-    invalid_argument; a MemoryError in the decode a bare 500 "internal error: MemoryError: "."""
+    invalid_argument; a MemoryError in the decode a bare 500 "internal error: MemoryError: ". And (the log hunt)
+    it was logged nowhere, where gRPC's is a WARNING, as the README says."""
     from nereid.protocol import http_codec, http_service
     from nereid.protocol.http_service import HttpSurface
 
@@ -229,6 +230,11 @@ def test_out_of_memory_decoding_is_503_counted_as_the_servers_failure(repo, serv
                                                "data (binary_data, with Inference-Header-Content-Length), which "
                                                "takes a fraction of the memory JSON does"})
     assert outcomes == ["internal"] and _stats(server) == (1, {"internal": 1})
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if "ran out of memory" in r.getMessage()] == [
+        ("WARNING", f"HTTP POST /v2/models/echo/infer from unknown: model 'echo': the server ran out of memory "
+                    f"decoding a {len(body)}-byte request; try again later, and send large tensors as binary data "
+                    "(binary_data, with Inference-Header-Content-Length), which takes a fraction of the memory JSON "
+                    "does; answered 503")]
 
 
 def test_out_of_memory_reading_a_body_is_503(repo, serve):
