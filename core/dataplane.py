@@ -314,7 +314,8 @@ class DataPlane:
             return _encodable(f"{reason}; load it with RepositoryModelLoad")
         return _encodable(reason)
 
-    async def load(self, name: str, parameters: Iterable[str] = (), rpc: str = "RepositoryModelLoad") -> None:
+    async def load(self, name: str, parameters: Iterable[str] = (), rpc: str = "RepositoryModelLoad",
+                   client: str = "") -> None:
         """(Re)load a model; ModelFailure with the reason when it does not become READY.
 
         A model loaded already is loaded again without downtime: its running
@@ -330,6 +331,7 @@ class DataPlane:
         rewrote told the client which absolute paths are the server's).
         """
         self._check_repository_control(rpc, name)
+        _log_asked(rpc, name, client)
         keys = sorted(parameters)
         config = self.repository.settings.config_name
         unknown = [key for key in keys if key != "config" and not key.startswith("file:")]
@@ -362,7 +364,8 @@ class DataPlane:
         if outcome.state is not ModelState.READY or outcome.reason:  # (READY with a reason: the old version serves on)
             raise ModelFailure(f"failed to load model '{name}': {outcome.reason}")
 
-    async def unload(self, name: str, unload_dependents: bool = False, rpc: str = "RepositoryModelUnload") -> None:
+    async def unload(self, name: str, unload_dependents: bool = False, rpc: str = "RepositoryModelUnload",
+                     client: str = "") -> None:
         """Unload a model once its queued and running requests have finished.
 
         ``unload_dependents`` (Triton's ``model_repository(unload_dependents)``):
@@ -373,6 +376,7 @@ class DataPlane:
         along with a meta model, so by that rule no other model is unloaded.
         """
         self._check_repository_control(rpc, name)
+        _log_asked(rpc, name, client)
         await self._to_its_end(self._unload(name), f"unload of model '{name}'")
 
     async def _load(self, name: str) -> _LoadOutcome:
@@ -552,6 +556,13 @@ async def _wait_for_room(scheduler: ModelScheduler, deadline_ns: int, timing: Re
         waited_ns = time.monotonic_ns() - began_ns
         timing.queue_ns += waited_ns
         timing.room_wait_ns += waited_ns
+
+
+def _log_asked(rpc: str, name: str, client: str) -> None:
+    """Say which client asked for a load or unload (``rpc``, over the protocol's name for it): the lines of the
+    repository that follow read as those of a change nobody made (the log hunt: a model unloaded over the network
+    left no trace of who asked)."""
+    log.info("%s of model %s asked%s", rpc, shown_name(name), f" by {client}" if client else "")
 
 
 def _log_unanswered(what: str, task: asyncio.Task) -> None:

@@ -672,7 +672,8 @@ class ModelRepository:
         self._state_changed()  # counted from now on: ServerReady is false until it is READY
         async with entry.held():
             if entry.loaded is None:
-                await self._load_locked(entry, retrying)  # (READY: counted from now on, see _state_changed)
+                # (READY: counted from now on, see _state_changed)
+                await self._load_locked(entry, retrying, requested)
                 return entry
             if await self._loaded_as_now(entry):  # loaded meanwhile, by a load that held the model first
                 return entry
@@ -724,8 +725,8 @@ class ModelRepository:
         return options_change(self.manager, asked, loaded.backend_defaults,  # type: ignore[arg-type]
                               settings.backend_defaults.get(loaded.backend_name))
 
-    async def _load_locked(self, entry: ModelEntry, retrying: str | None) -> ModelEntry:
-        """The load of :meth:`load`, the entry held and not loaded."""
+    async def _load_locked(self, entry: ModelEntry, retrying: str | None, requested: bool = False) -> ModelEntry:
+        """The load of :meth:`load`, the entry held and not loaded; ``requested``: a client's."""
         name = entry.name
         # (A folder in an object store is fetched by the version loader, which reports the store's error.)
         if self.settings.server.ml_backends_url is None and folder_gone(entry.folder):
@@ -735,13 +736,18 @@ class ModelRepository:
             log.warning("model '%s' is UNAVAILABLE: %s", name, entry.reason)
             self._refresh_dependents()
             return entry
+        # What it failed for last, if it did: a client's load failing so again (one asking to load a broken folder
+        # over and over) is no news, and is logged at DEBUG, not ERROR (the log hunt: each RepositoryModelLoad an
+        # ERROR). An edit's reload says its failure again: the edit may have been meant to fix it.
+        failed_before = entry.reason if requested and entry.state is ModelState.UNAVAILABLE else None
         entry.state, entry.reason = ModelState.LOADING, ""
         self._refresh_dependents()
         try:
             entry.loaded = await self._loader.load(entry, ModelStats(), self.settings)
         except Exception as err:  # any load failure is the model's, reported with its reason
             reason = _reason(err)
-            repeated = _repeats(reason, retrying)
+            repeated = _repeats(reason, retrying) or (failed_before is not None and
+                                                      self.public_text(reason) == failed_before)
             # (The log keeps absolute paths.) An abandoned load is what its unload asked for: no fault.
             abandoned = isinstance(err, LoadAbandoned)
             level = logging.WARNING if abandoned else logging.ERROR

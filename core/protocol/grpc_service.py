@@ -677,8 +677,8 @@ class InferenceServicer:
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context) -> pb.RepositoryModelLoadResponse:
         _one_repository(request.repository_name)
-        await self._repository_call(request.model_name, self.dataplane.load(request.model_name,
-                                                                            request.parameters.keys()))
+        await self._repository_call(request.model_name, self.dataplane.load(
+            request.model_name, request.parameters.keys(), client=peer(context.peer())))
         return pb.RepositoryModelLoadResponse()
 
     @_maps_errors
@@ -686,7 +686,8 @@ class InferenceServicer:
                                     context) -> pb.RepositoryModelUnloadResponse:
         _one_repository(request.repository_name)
         await self._repository_call(request.model_name,
-                                    self.dataplane.unload(request.model_name, _unload_dependents(request)))
+                                    self.dataplane.unload(request.model_name, _unload_dependents(request),
+                                                          client=peer(context.peer())))
         return pb.RepositoryModelUnloadResponse()
 
     async def _repository_call(self, model: str, work: Awaitable[None]) -> None:

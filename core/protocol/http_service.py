@@ -502,13 +502,13 @@ class HttpSurface:
             parameters = _parameters(body, f"model '{model}': the {action} request")
             endpoint = f"POST /v2/repository/models/.../{action}"  # (the protocol's own name for the call it refuses)
             if action == "load":
-                await self.dataplane.load(model, parameters.keys(), endpoint)
+                await self.dataplane.load(model, parameters.keys(), endpoint, peer(scope.get("client")))
             else:
                 unload_dependents = parameters.get("unload_dependents", False)
                 if not isinstance(unload_dependents, bool):
                     raise HttpError(400, f"model '{model}': parameter 'unload_dependents' must be true or false, "
                                          f"got {quoted(unload_dependents)}")
-                await self.dataplane.unload(model, unload_dependents, endpoint)
+                await self.dataplane.unload(model, unload_dependents, endpoint, peer(scope.get("client")))
             return 200, [], []  # Triton's empty answer: no body, so no JSON Content-Type either
         raise HttpError(404, f"no such endpoint: POST {_shown_path(scope)}")
 

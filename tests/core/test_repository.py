@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,26 @@ def test_a_first_load_failure_is_unavailable_with_the_reason(tmp_path, root):
     (folder / "fail.txt").write_text("cannot read")
     entry = asyncio.run(repository(tmp_path).load("bad"))  # one call: the repository lives on one loop
     assert entry.state is ModelState.UNAVAILABLE and entry.reason.endswith("fail.txt: cannot read")
+
+
+def test_a_client_s_load_failing_again_for_the_same_reason_is_no_new_error(tmp_path, root, caplog):
+    """Found by the log hunt: each RepositoryModelLoad of a broken folder wrote the same ERROR, with no limit (20
+    calls, 20 lines in 40 ms). Failing as it did is DEBUG; failing otherwise is news again."""
+    folder = write_toy(root, "bad")
+    (folder / "fail.txt").write_text("cannot read")
+    repo = repository(tmp_path)
+
+    async def scenario() -> None:
+        for _ in range(3):
+            await repo.load("bad", requested=True)
+        (folder / "fail.txt").write_text("cannot read either")
+        await repo.load("bad", requested=True)
+    with caplog.at_level(logging.DEBUG, logger="nereid.repository"):
+        asyncio.run(scenario())
+    levels = [(r.levelname, r.getMessage().rsplit(": ", 1)[1]) for r in caplog.records
+              if "is UNAVAILABLE" in r.getMessage()]
+    assert levels == [("ERROR", "cannot read"), ("DEBUG", "cannot read"), ("DEBUG", "cannot read"),
+                      ("ERROR", "cannot read either")]
 
 
 def test_a_load_or_reload_the_store_failed_says_so_and_one_that_failed_for_its_own_reasons_does_not(tmp_path,

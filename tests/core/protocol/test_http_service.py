@@ -441,6 +441,20 @@ def test_stats_index_and_repository_control(repo, serve):
     assert 'nereid_protocol_requests_total{model="echo",outcome="success",protocol="http"} 1.0' in samples
 
 
+def test_a_client_s_load_and_unload_are_logged_with_who_asked(repo, serve, caplog):
+    """Found by the log hunt: a model unloaded (or loaded) by a client left lines that read as a change nobody
+    made, with no word of the call or the client, over either protocol."""
+    repo.python("echo")
+    server = serve(repo.write_config())
+    caplog.set_level(logging.INFO, logger="nereid.dataplane")
+    http.InferenceServerClient(f"127.0.0.1:{server.server.http_port}").unload_model("echo")
+    server.client.load_model("echo")
+    asked = [r.getMessage() for r in caplog.records if r.name == "nereid.dataplane" and " asked by " in r.getMessage()]
+    assert len(asked) == 2, asked
+    assert re.fullmatch(r"POST /v2/repository/models/\.\.\./unload of model 'echo' asked by 127\.0\.0\.1:\d+", asked[0])
+    assert re.fullmatch(r"RepositoryModelLoad of model 'echo' asked by (ipv4:)?127\.0\.0\.1:\d+", asked[1]), asked[1]
+
+
 def test_repository_control_off_is_403(repo, serve):
     repo.python("echo")
     server = serve(repo.write_config(server_extra="  repository_control: false\n"))
