@@ -13,6 +13,7 @@ from nereid.backends.xla.bundle import ProgramKey
 from nereid.backends.xla.dtype_tokens import token_of
 from nereid.backends.xla.manifest import DimKind, Manifest, ManifestTensor
 from nereid.backends.xla.program import ELEMENT_TYPES, ProgramSignature, ProgramTensor
+from nereid.backends.xla.safetensors import ARGUMENT_ORDER_KEY
 from nereid.dtypes import DType
 from nereid.errors import ConfigError
 
@@ -31,7 +32,8 @@ def check_program_types(where: str, program: ProgramSignature, key: ProgramKey, 
     for index, (name, shape, dtype) in enumerate(weights):
         _compare(where, f"parameter {offset + index} (weight '{name}')", program.parameters[offset + index],
                  shape, dtype, manifest_order=tuple(reversed(shape)), declared_by="the weights file holds",
-                 reversed_hint=_LEGACY_WEIGHTS_REVERSED if legacy_weights else _WEIGHTS_REVERSED)
+                 reversed_hint=_LEGACY_WEIGHTS_REVERSED if legacy_weights else _WEIGHTS_REVERSED,
+                 other_hint=_order_hint(program.parameters[offset + index], weights, index))
     outputs = manifest.executable_outputs
     if len(program.results) != len(outputs):
         raise ConfigError(f"{where}: the program returns {len(program.results)} result(s) but the manifest "
@@ -62,9 +64,23 @@ _MANIFEST_REVERSED = (" (the shapes are reversed: manifest shapes are column-maj
                       "program sees them reversed)")
 
 
+def _order_hint(parameter: ProgramTensor, weights: Sequence[tuple[str, tuple[int, ...], DType]], index: int) -> str:
+    """What a weight's refusal adds when another weight of the file is of ``parameter``'s type: the file's weights
+    are likely in another order than the program's (the bundle hunt: safetensors' save_file writes them sorted by
+    dtype and name, not in its dict's order, and the refusal said nothing of order)."""
+    fits = [name for other, (name, shape, dtype) in enumerate(weights)
+            if other != index and shape == parameter.shape and dtype is parameter.dtype]
+    if not fits:
+        return ""
+    return (f" (weight '{fits[0]}' of the file is of that type: the weights go to the program in the order of their "
+            f"data in the file, or of its metadata's {ARGUMENT_ORDER_KEY}, a JSON list of their names in the "
+            "program's order; safetensors' save_file writes them sorted by dtype and name, so give it "
+            f"{ARGUMENT_ORDER_KEY}, or write the file with nereid.backends.xla.export.write_safetensors)")
+
+
 def _compare(where: str, what: str, actual: ProgramTensor, expected: tuple[int, ...], dtype: DType,
              manifest_order: tuple[int, ...], declared_by: str = "the bundle declares",
-             reversed_hint: str = _MANIFEST_REVERSED) -> None:
+             reversed_hint: str = _MANIFEST_REVERSED, other_hint: str = "") -> None:
     if any(d < 0 for d in actual.shape):
         raise ConfigError(f"{where}: {what} has a dynamic shape {actual.describe()}; bundles need static "
                           "shapes (export one program per size)")
@@ -75,7 +91,7 @@ def _compare(where: str, what: str, actual: ProgramTensor, expected: tuple[int, 
     wanted = ProgramTensor(expected, _element_type(dtype)).describe()
     reversed_shape = not shape_ok and actual.shape == manifest_order and expected != manifest_order
     raise ConfigError(f"{where}: {what} is {actual.describe()} in the program but {declared_by} "
-                      f"{wanted}{reversed_hint if reversed_shape else ''}")
+                      f"{wanted}{reversed_hint if reversed_shape else other_hint}")
 
 
 def _element_type(dtype: DType) -> str:

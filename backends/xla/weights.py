@@ -235,7 +235,9 @@ def format_layout_problem(manifest: Manifest, weight_set: WeightSet | None) -> s
     return (f"{weight_set.describe()}: no axis_order in its metadata, so it would be read in the legacy layout "
             f"(column-major shapes), but {MANIFEST_NAME} says format_version \"{CURRENT_FORMAT_VERSION}\", whose "
             "weights are in the program's order: add {\"axis_order\": \"xla\"} to its metadata if its shapes are "
-            "the program's (safetensors' save_file(..., metadata=...)), or write it with "
+            "the program's, with {\"argument_order\": \"[...]\"}, the weights' names in the program's order as a "
+            "JSON list (safetensors' save_file(..., metadata=...) writes them sorted by dtype and name, and weights "
+            "of one shape would be passed swapped, unseen), or write it with "
             "nereid.backends.xla.export.write_safetensors")
 
 

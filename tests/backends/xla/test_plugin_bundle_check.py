@@ -97,13 +97,17 @@ def test_bundles_whose_types_the_load_refuses_are_unservable(tmp_path, capsys) -
     unmarked = copy("unmarked")  # the same weights, the file without its axis_order: read in the legacy layout
     safetensors.numpy.save_file(dict(weights), str(unmarked / "weights.safetensors"),
                                 metadata={"argument_order": json.dumps([name for name, _ in weights])})
+    # The same weights in the program's axis order, without argument_order: safetensors' save_file writes them
+    # sorted by name, not in the program's order (the bundle hunt: the refusal said nothing of order).
+    reordered = copy("reordered")
+    safetensors.numpy.save_file(dict(weights), str(reordered / "weights.safetensors"), metadata={"axis_order": "xla"})
     swapped = copy("swapped")
     shutil.copyfile(swapped / "model.b1.mlir", swapped / "model.b8.mlir")
     good = copy("good")
     assert all(bundle_arity_report(b).servable for b in (wrong_dim, wrong_weight, swapped))
     assert main(["bundle", "check", str(tmp_path)]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1] == "6 bundle(s), 5 unservable"
+    assert lines[-1] == "7 bundle(s), 6 unservable"
     by_bundle = {line.split(": ", 1)[0]: line for line in lines[:-1]}
     assert by_bundle[str(wrong_dim)] == (
         f"{wrong_dim}: UNSERVABLE: model.b1.mlir: parameter 0 (input 'input', manifest shape 'an') is "
@@ -122,8 +126,15 @@ def test_bundles_whose_types_the_load_refuses_are_unservable(tmp_path, capsys) -
     assert by_bundle[str(unmarked)] == (
         f"{unmarked}: UNSERVABLE: weights.safetensors: no axis_order in its metadata, so it would be read in the "
         "legacy layout (column-major shapes), but manifest.yaml says format_version \"2.1\", whose weights are in "
-        "the program's order: add {\"axis_order\": \"xla\"} to its metadata if its shapes are the program's "
-        "(safetensors' save_file(..., metadata=...)), or write it with nereid.backends.xla.export.write_safetensors")
+        "the program's order: add {\"axis_order\": \"xla\"} to its metadata if its shapes are the program's, "
+        "with {\"argument_order\": \"[...]\"}, the weights' names in the program's order as a JSON list "
+        "(safetensors' save_file(..., metadata=...) writes them sorted by dtype and name, and weights of one shape "
+        "would be passed swapped, unseen), or write it with nereid.backends.xla.export.write_safetensors")
+    assert by_bundle[str(reordered)].endswith(
+        "of the file is of that type: the weights go to the program in the order of their data in the file, or of "
+        "its metadata's argument_order, a JSON list of their names in the program's order; safetensors' save_file "
+        "writes them sorted by dtype and name, so give it argument_order, or write the file with "
+        "nereid.backends.xla.export.write_safetensors)"), by_bundle[str(reordered)]
     assert by_bundle[str(swapped)] == (
         f"{swapped}: UNSERVABLE: model.b8.mlir: parameter 0 (input 'input', manifest shape 'an') is "
         "tensor<1x16xf32> in the program but the bundle declares tensor<8x16xf32>")
