@@ -204,6 +204,12 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         else:  # (a model with a postprocess hook only: the client's inputs go to the program, checked)
             if to_program is not None:
                 inputs = to_program(inputs)
+            if batch_signature.batches and not signature.batches:
+                # The program batches where the client's tensors do not (an output of model.py's without a batch
+                # axis): its rows are counted as the program counts them. Counted as the client's one request, a
+                # request of 2 rows failed, and every request batched with it (the bundle hunt).
+                validated = validate_inputs(name, batch_signature, inputs)
+                inputs, program_rows = validated.tensors, validated.batch_size
             if check_inputs is not None:
                 check_inputs(inputs)
         try:

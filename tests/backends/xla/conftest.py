@@ -83,6 +83,42 @@ nereid.register_model("ignored-name", preprocess=to_unit, postprocess=to_class)
 SHIPPED = Path(__file__).resolve().parents[3] / "ml-backends"
 
 
+# A postprocess that adds an output without a batch axis (the program's rows, counted), to a batching program.
+ROWS_MODEL_PY = '''
+import numpy as np
+import nereid
+from nereid.tensors import NamedTensor
+
+
+def with_rows(outputs):
+    (y,) = outputs
+    return [y, NamedTensor.from_array("rows", np.array([y.data.shape[0]], np.int32))]
+
+
+nereid.register_model(postprocess=with_rows)
+'''
+
+
+# A preprocess that adds the program's input without a batch axis (a temperature): the program runs only at its
+# compiled sizes.
+TEMPERATURE_MODEL_PY = '''
+import numpy as np
+import nereid
+from nereid.tensors import NamedTensor
+
+
+def with_temperature(inputs):
+    return [*inputs, NamedTensor.from_array("t", np.array(2.0, np.float32))]
+
+
+nereid.register_model(preprocess=with_temperature)
+'''
+
+
+def divide(x, t):
+    return x / t
+
+
 def _shipped(directory: Path) -> Path:
     """The example bundle exactly as ml-backends/ ships it (its .cache/ left behind)."""
     shutil.copytree(SHIPPED / directory.name, directory, ignore=shutil.ignore_patterns(".cache"))
@@ -113,6 +149,16 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "mlp_sharded": lambda d: export_bundle(examples.mlp, [np.zeros((1, 16), np.float32)], examples.mlp_weights(),
                                            directory=d, batch_sizes=(1, 8), input_names=["input"],
                                            output_names=["output"], provenance=False, shard_bytes=600),
+    "rows_hooks": lambda d: export_bundle(scale, [np.zeros((1, 4), np.float32)],
+                                          {"w": np.arange(1, 5, dtype=np.float32)}, directory=d, batch_sizes=(1, 2, 4), input_names=["x"], output_names=["y"],
+                                          client_outputs=[IOSpec("y", "f32", (4,), batch_axis=0),
+                                                          IOSpec("rows", "i32", (1,), batch_axis=None)],
+                                          model_py=ROWS_MODEL_PY, provenance=False),
+    "temperature_hooks": lambda d: export_bundle(divide, [np.zeros((1, 4), np.float32), np.float32(1.0)], {},
+                                                 directory=d, batch_sizes=(1, 2, 4), input_names=["x", "t"],
+                                                 input_batch_axes=[0, None], output_names=["y"],
+                                                 client_inputs=[IOSpec("x", "f32", (4,), batch_axis=0)],
+                                                 model_py=TEMPERATURE_MODEL_PY, provenance=False),
     "mlp_hooks": lambda d: export_bundle(examples.mlp, [np.zeros((1, 16), np.float32)], examples.mlp_weights(),
                                          directory=d, batch_sizes=(1, 8), input_names=["input"],
                                          output_names=["logits"],

@@ -237,6 +237,42 @@ def test_input_shape_variants(repo, serve, add_bundle) -> None:
     assert "input 'x' has shape [1, 5]; the bundle is compiled for [-1, 4], [-1, 8]" in caught.value.message()
 
 
+def test_a_postprocess_adding_an_unbatched_output_leaves_each_request_its_rows_batched_or_not(repo, serve,
+                                                                                             add_bundle) -> None:
+    """Found by the bundle hunt: model.py's output without a batch axis made the client's tensors batch no more
+    (max_batch_size 0), while the program batched: every request counted as one row, so one of 2 rows failed
+    ("returned output 'y' with shape [2, 4], expected [1, 4]"), and, batched with others, failed them all
+    (ValueError: Output array is the wrong shape)."""
+    add_bundle(repo.models_dir, "rows_hooks")
+    server = serve(repo.write_config("- name: rows_hooks\n  batching: {max_queue_delay_ms: 200}\n"))
+
+    def infer(rows: int) -> tuple[list, list]:
+        tensor = triton.InferInput("x", [rows, 4], "FP32")
+        tensor.set_data_from_numpy(np.ones((rows, 4), np.float32))
+        result = server.client.infer("rows_hooks", [tensor])
+        return result.as_numpy("y").tolist(), result.as_numpy("rows").tolist()
+
+    assert infer(2) == ([[1.0, 2.0, 3.0, 4.0]] * 2, [2])
+    with ThreadPoolExecutor(4) as pool:  # batched together within the window: 1 + 1 + 2 rows
+        answers = list(pool.map(infer, [1, 1, 2]))
+    assert [y for y, _ in answers] == [[[1.0, 2.0, 3.0, 4.0]] * rows for rows in (1, 1, 2)]
+    stats = server.client.get_inference_statistics("rows_hooks").model_stats[0].inference_stats
+    assert (stats.success.count, stats.fail.count) == (4, 0)
+
+
+def test_a_program_that_runs_only_at_its_compiled_sizes_says_so_through_model_py_s_tensors(repo, serve,
+                                                                                           add_bundle) -> None:
+    """Found by the bundle hunt: a program with an input of no batch axis (added by model.py) runs only at its
+    compiled sizes, but its client tensors, all batched, had ModelConfig say max_batch_size 4, while nereid.yaml's
+    batching: for it was refused as "the model does not batch (its max_batch_size is 0)"."""
+    add_bundle(repo.models_dir, "temperature_hooks")
+    server = serve(repo.write_config())
+    assert server.client.get_model_config("temperature_hooks").config.max_batch_size == 0
+    tensor = triton.InferInput("x", [2, 4], "FP32")
+    tensor.set_data_from_numpy(np.full((2, 4), 3.0, np.float32))
+    assert server.client.infer("temperature_hooks", [tensor]).as_numpy("y").tolist() == [[1.5] * 4] * 2
+
+
 def test_int64_inputs_and_bf16_weights(repo, serve, add_bundle) -> None:
     add_bundle(repo.models_dir, "embedding")
     server = serve(repo.write_config("- name: embedding\n"))
