@@ -118,6 +118,15 @@ class Unparsable(HttpError):
         super().__init__(status, message)
 
 
+def _log_out_of_memory(scope: Scope, error: NereidError) -> None:
+    """Say that the server ran out of memory reading or decoding an infer request, ``error``: its passing condition,
+    for its operator to see, as over gRPC (the log hunt: over HTTP the 503s were told of nowhere). Those of a run
+    (stacking a batch, reading a run's outputs) are logged where they happen."""
+    if isinstance(error, OutOfMemory):
+        client_log.log(logging.WARNING, "HTTP %s %s from %s: %s; answered 503", scope["method"],
+                       cap_message(scope["path"], 256), peer(scope.get("client")), error)
+
+
 def out_of_memory(model: str, doing: str, size: int | None) -> OutOfMemory:
     """The error for a MemoryError met while ``doing`` (reading, decoding) a request of ``size`` bytes."""
     of = f"a {size}-byte request" if size is not None else "a request"
@@ -169,11 +178,6 @@ class HttpSurface:
         except HttpError as err:
             status, body, headers = err.status, error_body(str(err)), [*JSON_HEADERS, *err.headers]
         except NereidError as err:
-            if isinstance(err, OutOfMemory):
-                # The server's passing condition, for its operator to see, as over gRPC (the log hunt: over HTTP the
-                # 503s of a server short of memory were told of nowhere).
-                client_log.log(logging.WARNING, "HTTP %s %s from %s: %s; answered 503", scope["method"],
-                               cap_message(scope["path"], 256), peer(scope.get("client")), err)
             status = status_of(err)
             body, headers = error_body(self.dataplane.error_text(err)), JSON_HEADERS
         except MemoryError:
@@ -298,10 +302,12 @@ class HttpSurface:
         except HttpError as err:
             # Refused by this layer (a Content-Type, a size, a body the HTTP parser cannot read): still one
             # of the model's failures, as a body that does not decode is (the server out of memory: its own).
-            kind = {501: Unimplemented, 503: OutOfMemory}.get(err.status, InvalidArgument)
-            self._refused(model, kind(str(err)))
+            refusal = {501: Unimplemented, 503: OutOfMemory}.get(err.status, InvalidArgument)(str(err))
+            _log_out_of_memory(scope, refusal)
+            self._refused(model, refusal)
             raise
         except NereidError as err:  # out of memory reading it
+            _log_out_of_memory(scope, err)
             self._refused(model, err)
             raise
         except asyncio.CancelledError:
@@ -322,6 +328,7 @@ class HttpSurface:
             # Its traceback's frames hold what the decode had built (and would, as the answer's context): let go.
             lost.__traceback__ = None
             error = out_of_memory(model, "decoding", len(body))
+            _log_out_of_memory(scope, error)
             self._refused(model, error)
             raise error from None
         except Exception:  # a bug of the decoder's, answered 500 (see __call__): still one of the model's failures
