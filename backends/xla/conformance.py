@@ -7,7 +7,8 @@ types named, rather than failing every request later.
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 from nereid.backends.xla.bundle import ProgramKey
 from nereid.backends.xla.dtype_tokens import token_of
@@ -33,7 +34,7 @@ def check_program_types(where: str, program: ProgramSignature, key: ProgramKey, 
         _compare(where, f"parameter {offset + index} (weight '{name}')", program.parameters[offset + index],
                  shape, dtype, manifest_order=tuple(reversed(shape)), declared_by="the weights file holds",
                  reversed_hint=_LEGACY_WEIGHTS_REVERSED if legacy_weights else _WEIGHTS_REVERSED,
-                 other_hint=_order_hint(program.parameters[offset + index], weights, index))
+                 other_hint=functools.partial(_order_hint, program.parameters[offset + index], weights, index))
     outputs = manifest.executable_outputs
     if len(program.results) != len(outputs):
         raise ConfigError(f"{where}: the program returns {len(program.results)} result(s) but the manifest "
@@ -68,11 +69,11 @@ def _order_hint(parameter: ProgramTensor, weights: Sequence[tuple[str, tuple[int
     """What a weight's refusal adds when another weight of the file is of ``parameter``'s type: the file's weights
     are likely in another order than the program's (the bundle hunt: safetensors' save_file writes them sorted by
     dtype and name, not in its dict's order, and the refusal said nothing of order)."""
-    fits = [name for other, (name, shape, dtype) in enumerate(weights)
-            if other != index and shape == parameter.shape and dtype is parameter.dtype]
-    if not fits:
+    fit = next((name for other, (name, shape, dtype) in enumerate(weights)
+                if other != index and shape == parameter.shape and dtype is parameter.dtype), None)
+    if fit is None:
         return ""
-    return (f" (weight '{fits[0]}' of the file is of that type: the weights go to the program in the order of their "
+    return (f" (weight '{fit}' of the file is of that type: the weights go to the program in the order of their "
             f"data in the file, or of its metadata's {ARGUMENT_ORDER_KEY}, a JSON list of their names in the "
             "program's order; safetensors' save_file writes them sorted by dtype and name, so give it "
             f"{ARGUMENT_ORDER_KEY}, or write the file with nereid.backends.xla.export.write_safetensors)")
@@ -80,7 +81,9 @@ def _order_hint(parameter: ProgramTensor, weights: Sequence[tuple[str, tuple[int
 
 def _compare(where: str, what: str, actual: ProgramTensor, expected: tuple[int, ...], dtype: DType,
              manifest_order: tuple[int, ...], declared_by: str = "the bundle declares",
-             reversed_hint: str = _MANIFEST_REVERSED, other_hint: str = "") -> None:
+             reversed_hint: str = _MANIFEST_REVERSED, other_hint: Callable[[], str] | None = None) -> None:
+    # (other_hint is made only for a refusal: made for every weight of every program, it cost 0.8 s a load of 3,000
+    # weights; the review.)
     if any(d < 0 for d in actual.shape):
         raise ConfigError(f"{where}: {what} has a dynamic shape {actual.describe()}; bundles need static "
                           "shapes (export one program per size)")
@@ -91,7 +94,7 @@ def _compare(where: str, what: str, actual: ProgramTensor, expected: tuple[int, 
     wanted = ProgramTensor(expected, _element_type(dtype)).describe()
     reversed_shape = not shape_ok and actual.shape == manifest_order and expected != manifest_order
     raise ConfigError(f"{where}: {what} is {actual.describe()} in the program but {declared_by} "
-                      f"{wanted}{reversed_hint if reversed_shape else other_hint}")
+                      f"{wanted}{reversed_hint if reversed_shape else other_hint() if other_hint else ''}")
 
 
 def _element_type(dtype: DType) -> str:
