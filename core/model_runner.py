@@ -145,6 +145,18 @@ def _in_program_order(signature: ModelSignature, batch_signature: ModelSignature
     return lambda inputs: [inputs[position] for position in positions]
 
 
+def _batched_only_by_the_program(signature: ModelSignature, batch_signature: ModelSignature) -> bool:
+    """Whether the client's inputs are the program's as they are, its batch axis leading, where the program batches
+    and the client's tensors do not (a hook's output without a batch axis): the program's rows are then each
+    request's leading axis. Not where the program's batch axis stands elsewhere (the review: a bundle's moved batch
+    axis was read as the leading one, and answered transposed numbers, OK)."""
+    if not batch_signature.batches or signature.batches:
+        return False
+    client = {spec.name: spec for spec in signature.inputs}
+    return all(spec.name in client and client[spec.name].dims == (-1, *spec.dims) and
+               client[spec.name].dtype is spec.dtype for spec in batch_signature.inputs)
+
+
 def make_runner(backend: Model, signature: ModelSignature, batch_signature: ModelSignature,
                 scheduler: ModelScheduler, hook_threads: HookThreads) -> Runner:
     """The request path of one loaded model; its hooks run on ``hook_threads``."""
@@ -168,6 +180,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         return checked
 
     in_hooks = _HookStage()
+    rows_leading = preprocess is None and _batched_only_by_the_program(signature, batch_signature)
     if preprocess is not None:  # (the stage admits: a stream's request waiting for room waits for the stage's)
         scheduler.stage_full = functools.partial(in_hooks.full, scheduler)
 
@@ -204,7 +217,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
         else:  # (a model with a postprocess hook only: the client's inputs go to the program, checked)
             if to_program is not None:
                 inputs = to_program(inputs)
-            if batch_signature.batches and not signature.batches:
+            if rows_leading:
                 # The program batches where the client's tensors do not (an output of model.py's without a batch
                 # axis): its rows are counted as the program counts them. Counted as the client's one request, a
                 # request of 2 rows failed, and every request batched with it (the bundle hunt).

@@ -422,11 +422,6 @@ class HookedXlaModel(XlaModel):
         inputs = manifest.client_inputs if manifest.client_inputs is not None else manifest.executable_inputs
         outputs = manifest.client_outputs if manifest.client_outputs is not None else manifest.executable_outputs
         mode = batch_mode(inputs, outputs, bool(self._sizes))
-        if mode.coalesces and not self._mode.coalesces:
-            # The program runs only at its compiled sizes (an input without a batch axis, a scalar model.py adds):
-            # the client's tensors batch no more than it does. ModelConfig said max_batch_size 4 while nereid.yaml's
-            # batching: was refused as "the model does not batch" (the bundle hunt).
-            mode = BatchMode.EXACT
         self._client_signature = build_signature(inputs, outputs, mode, self._sizes[-1] if self._sizes else 0)
 
     def signature(self) -> ModelSignature:

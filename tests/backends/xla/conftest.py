@@ -99,26 +99,6 @@ nereid.register_model(postprocess=with_rows)
 '''
 
 
-# A preprocess that adds the program's input without a batch axis (a temperature): the program runs only at its
-# compiled sizes.
-TEMPERATURE_MODEL_PY = '''
-import numpy as np
-import nereid
-from nereid.tensors import NamedTensor
-
-
-def with_temperature(inputs):
-    return [*inputs, NamedTensor.from_array("t", np.array(2.0, np.float32))]
-
-
-nereid.register_model(preprocess=with_temperature)
-'''
-
-
-def divide(x, t):
-    return x / t
-
-
 def _shipped(directory: Path) -> Path:
     """The example bundle exactly as ml-backends/ ships it (its .cache/ left behind)."""
     shutil.copytree(SHIPPED / directory.name, directory, ignore=shutil.ignore_patterns(".cache"))
@@ -154,11 +134,6 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
                                           client_outputs=[IOSpec("y", "f32", (4,), batch_axis=0),
                                                           IOSpec("rows", "i32", (1,), batch_axis=None)],
                                           model_py=ROWS_MODEL_PY, provenance=False),
-    "temperature_hooks": lambda d: export_bundle(divide, [np.zeros((1, 4), np.float32), np.float32(1.0)], {},
-                                                 directory=d, batch_sizes=(1, 2, 4), input_names=["x", "t"],
-                                                 input_batch_axes=[0, None], output_names=["y"],
-                                                 client_inputs=[IOSpec("x", "f32", (4,), batch_axis=0)],
-                                                 model_py=TEMPERATURE_MODEL_PY, provenance=False),
     "mlp_hooks": lambda d: export_bundle(examples.mlp, [np.zeros((1, 16), np.float32)], examples.mlp_weights(),
                                          directory=d, batch_sizes=(1, 8), input_names=["input"],
                                          output_names=["logits"],

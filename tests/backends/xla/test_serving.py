@@ -260,19 +260,6 @@ def test_a_postprocess_adding_an_unbatched_output_leaves_each_request_its_rows_b
     assert (stats.success.count, stats.fail.count) == (4, 0)
 
 
-def test_a_program_that_runs_only_at_its_compiled_sizes_says_so_through_model_py_s_tensors(repo, serve,
-                                                                                           add_bundle) -> None:
-    """Found by the bundle hunt: a program with an input of no batch axis (added by model.py) runs only at its
-    compiled sizes, but its client tensors, all batched, had ModelConfig say max_batch_size 4, while nereid.yaml's
-    batching: for it was refused as "the model does not batch (its max_batch_size is 0)"."""
-    add_bundle(repo.models_dir, "temperature_hooks")
-    server = serve(repo.write_config())
-    assert server.client.get_model_config("temperature_hooks").config.max_batch_size == 0
-    tensor = triton.InferInput("x", [2, 4], "FP32")
-    tensor.set_data_from_numpy(np.full((2, 4), 3.0, np.float32))
-    assert server.client.infer("temperature_hooks", [tensor]).as_numpy("y").tolist() == [[1.5] * 4] * 2
-
-
 def test_int64_inputs_and_bf16_weights(repo, serve, add_bundle) -> None:
     add_bundle(repo.models_dir, "embedding")
     server = serve(repo.write_config("- name: embedding\n"))
