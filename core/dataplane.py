@@ -460,7 +460,7 @@ class DataPlane:
                         model = current
                         # Accepted already: it waits for room there rather than be refused (a reload's queue handed
                         # over to a version of smaller queue_capacity lost requests; the review).
-                        wait_for_room = True
+                        wait_for_room = wait_for_room or err.handed_over
                         continue
                 model.stats.record_failure(time.monotonic_ns() - received_ns, err.reason)
                 raise

@@ -66,9 +66,10 @@ class ModelRetired(Unavailable):
     data plane chose, so nothing that already ran is run again.
     """
 
-    def __init__(self, message: str, scheduler: object = None) -> None:
+    def __init__(self, message: str, scheduler: object = None, handed_over: bool = False) -> None:
         super().__init__(message)
         self.scheduler = scheduler
+        self.handed_over = handed_over  # taken from the queue at a reload's swap: a request accepted already
 
 
 class QueueFull(Unavailable):

@@ -165,6 +165,7 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
     # Refused before queueing: a request no execution could run must not wait for one, nor fail the batch it joins.
     check_inputs = _input_check(backend, scheduler) if isinstance(backend, ChecksInputs) else None
     scheduler.postprocessed = postprocess is not None
+    scheduler.input_check = check_inputs
     to_program = _in_program_order(signature, batch_signature) if preprocess is None else None
     if preprocess is None and postprocess is None:
         if check_inputs is None and to_program is None:

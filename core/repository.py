@@ -662,7 +662,7 @@ class ModelRepository:
                                           f"so it cannot be loaded again; the version loaded before serves {serves}"))
             # Loaded already: loaded again without downtime, as Triton does. The running version serves until
             # the new one is READY, and keeps serving if the new one fails (the reason shows in the index).
-            await self.reload(name, retrying=retrying)
+            await self.reload(name, retrying=retrying, requested=requested)
             if entry.loaded is not None and self._entries.get(name) is entry:
                 return entry
             # Unloaded or forgotten while the reload waited for it (its folder removed, renamed onto): this
@@ -679,7 +679,7 @@ class ModelRepository:
                 return entry
         # Loaded meanwhile, but from other files or settings than the folder's and nereid.yaml's now (a load
         # started before an edit): loaded again, as asked.
-        return await self.reload(name, retrying=retrying)
+        return await self.reload(name, retrying=retrying, requested=requested)
 
     async def _folder_missing(self, entry: ModelEntry, requested: bool) -> bool:
         """Whether ``entry``'s folder is not there to load from: locally, no folder; in a store, for a client's
@@ -776,7 +776,8 @@ class ModelRepository:
         self._enter_loaded_version(entry)
         return entry
 
-    async def reload(self, name: str, *, retrying: str | None = None, only_if_changed: bool = False) -> ModelEntry:
+    async def reload(self, name: str, *, retrying: str | None = None, only_if_changed: bool = False,
+                     requested: bool = False) -> ModelEntry:
         """Load the folder again without downtime; a model that is not loaded is simply loaded.
 
         The running version serves until the new one is READY, then requests
@@ -787,7 +788,8 @@ class ModelRepository:
         and in the log. ``retrying``: as for :meth:`load`. ``only_if_changed``:
         nothing is done when, once its turn comes, the running version has the
         folder's files and the settings as they are then (a change already
-        loaded by a reload before it).
+        loaded by a reload before it). ``requested``: a client's, whose failure
+        for the reason the last one failed for is no news (logged at DEBUG).
         """
         entry = self._entries.get(name)
         if entry is None or entry.loaded is None:
@@ -803,6 +805,7 @@ class ModelRepository:
                 self.forget_failed_reload(name)  # (of files or settings that are no longer so)
                 return entry
             entry.clear_refusal()
+            failed_before = entry.reason if requested else None  # (see _load_locked)
             try:
                 new = await self._loader.load(entry, old.stats, self.settings)
             except LoadAbandoned as err:
@@ -820,12 +823,14 @@ class ModelRepository:
                     reason = gone_while_loading(entry.folder)
                 # (The running version's number: "(load N+1)" here was the number the next reload that succeeds
                 # is logged READY with.)
-                log.log(logging.DEBUG if _repeats(reason, retrying) else logging.WARNING if moved else logging.ERROR,
+                # (Not "version N": the protocol's model version is always 1; N counts loads.)
+                failure = self.public_text(f"reload failed, the running version keeps serving: {reason}")
+                repeated = _repeats(reason, retrying) or failure == failed_before
+                log.log(logging.DEBUG if repeated else logging.WARNING if moved else logging.ERROR,
                         "model '%s': reload failed, the running version (load %d) keeps serving: %s", name,
                         entry.generation, reason,
                         exc_info=None if moved else _plugin_traceback(err))
-                # (Not "version N": the protocol's model version is always 1; N counts loads.)
-                entry.reason = self.public_text(f"reload failed, the running version keeps serving: {reason}")
+                entry.reason = failure
                 entry.store_fault = reason if store_failed(err) else ""
                 entry.cycle_through = _cycle_through(err, name)
                 self._record(name, "reload_failed")
@@ -1352,9 +1357,10 @@ class ModelRepository:
         let_go_done = False
         try:
             # Bounded by the grace: an abandoned request's thread must not hold the unload (or the loop).
-            hand_over = successor is not None and self._takes_over(name, loaded, successor)
+            takes_over = successor is not None and self._takes_over(name, loaded, successor)
+            taker = successor.scheduler if takes_over else None
             await loaded.scheduler.drain(self.settings.server.shutdown_grace_s if grace_s is None else grace_s,
-                                         end_running, hand_over=hand_over)
+                                         end_running, successor=taker)
             # In turns, once drained (a turn is for the release's threads, not for requests finishing): each
             # release at once took a thread, and hundreds of them held liveness for seconds (the scale hunt). One
             # turn for the release and the removal of its scratch folders after it.

@@ -170,6 +170,9 @@ class ModelScheduler:
         # Whether the model's own admission is full when it is not the queue's (a model runner's preprocess stage,
         # whose requests count against capacity beside the queue's): what wakes a waiter asks first.
         self.stage_full: Callable[[], bool] | None = None
+        # The model's check of a request's inputs before it queues (its ChecksInputs rule; set by the model's runner):
+        # what a reload's hand-over asks of the successor for each request it would give it.
+        self.input_check: Callable[[list[NamedTensor]], None] | None = None
 
     @property
     def queue_depth(self) -> int:
@@ -502,20 +505,21 @@ class ModelScheduler:
 
     async def drain(self, grace_s: float | None = None,
                     terminate: Callable[[], Awaitable[None]] | None = None,
-                    terminate_wait_s: float = TERMINATE_WAIT_S, *, hand_over: bool = False) -> bool:
+                    terminate_wait_s: float = TERMINATE_WAIT_S, *,
+                    successor: ModelScheduler | None = None) -> bool:
         """Refuse new requests, finish the queued and running ones, stop the batcher.
 
         Never blocks the event loop. With ``grace_s``, waits at most that long;
         then awaits ``terminate`` (the backend ending its running work), waits
         up to ``terminate_wait_s`` more, and abandons what still runs.
         Returns True when everything finished, False when work was abandoned.
-        ``hand_over`` (a version a reload replaced): the queued requests are
-        handed to the version now serving (see :meth:`_hand_over_queue`), and
-        only the running ones finish here.
+        ``successor`` (of a version a reload replaced, the scheduler of the
+        version now serving): the queued requests it takes are handed to it
+        (see :meth:`_hand_over_queue`), and only the others finish here.
         """
         self._accepting = False
-        if hand_over:
-            self._hand_over_queue()
+        if successor is not None:
+            self._hand_over_queue(successor)
         self._arrived.set()  # a batch waiting for company that can no longer come goes now (see _batch_loop)
         self._wake_every_waiter()
         finished = await self._wait_idle_within(grace_s)
@@ -560,10 +564,11 @@ class ModelScheduler:
             self._executor.shutdown(wait=False, cancel_futures=True)
         return finished
 
-    def _hand_over_queue(self) -> None:
+    def _hand_over_queue(self, successor: ModelScheduler) -> None:
         """Refuse the queued requests with ModelRetired, which the data plane answers by sending each to the version
         now serving, as it does a request this version refused at admission: none of this version's code ran for
-        them. Their time queued here counts as queue time. Those a preprocess hook ran for stay, to finish here.
+        them. Their time queued here counts as queue time. Those a preprocess hook ran for stay, to finish here, and
+        so do those ``successor``'s input check refuses (a bundle compiled for other sizes; the review).
 
         (The reload hunt: a replaced version ran its queue to the end within its grace, one request after another,
         while its successor stood idle; a queue of 100 one-second requests had 34 failed at the grace's end, and
@@ -572,13 +577,13 @@ class ModelScheduler:
         now_ns = time.monotonic_ns()
         kept: collections.deque[Work] = collections.deque()
         for work in self._pending:
-            if work.admitted:
+            if work.admitted or not _takes(successor, work.inputs):
                 kept.append(work)
             elif not work.future.done():
                 if work.timing is not None:
                     work.timing.queue_ns += now_ns - work.enqueued_ns
                 work.future.set_exception(ModelRetired(f"model '{self.name}' was replaced by a new version before "
-                                                       "this request could start", self))
+                                                       "this request could start", self, handed_over=True))
         self._pending = kept
         self._update_idle()
 
@@ -1116,6 +1121,18 @@ def unloaded_before_start(model: str, only: str = "") -> str:
     ran = f" (only its {only} was)" if only else ""
     return (f"model '{model}' was unloaded before this request could start (what ran ahead of it did not end "
             f"within the grace); it was not run{ran}: send it again")
+
+
+def _takes(successor: ModelScheduler, inputs: list[NamedTensor]) -> bool:
+    """Whether ``successor``'s input check lets ``inputs`` (a queued request's) in; a check that fails otherwise than
+    by refusing them says no too: the request then runs where it was accepted."""
+    if successor.input_check is None:
+        return True
+    try:
+        successor.input_check(inputs)
+    except Exception:
+        return False
+    return True
 
 
 class QueueRefusal(QueueFull):

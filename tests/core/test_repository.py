@@ -113,6 +113,23 @@ def test_a_client_s_load_failing_again_for_the_same_reason_is_no_new_error(tmp_p
                       ("ERROR", "cannot read either")]
 
 
+def test_a_client_s_reload_failing_again_for_the_same_reason_is_no_new_error(tmp_path, root, caplog):
+    """Found by the review of the above: a client's load of a loaded model whose folder broke reloads it, and each
+    such reload failing as the last one did wrote the same ERROR again."""
+    folder = write_toy(root, "m")
+    repo = repository(tmp_path)
+
+    async def scenario() -> None:
+        await repo.load("m")
+        (folder / "fail.txt").write_text("weights are corrupt")
+        for _ in range(3):
+            await repo.load("m", requested=True)
+        await repo.unload_all()
+    with caplog.at_level(logging.DEBUG, logger="nereid.repository"):
+        asyncio.run(scenario())
+    assert [r.levelname for r in caplog.records if "reload failed" in r.getMessage()] == ["ERROR", "DEBUG", "DEBUG"]
+
+
 def test_a_load_or_reload_the_store_failed_says_so_and_one_that_failed_for_its_own_reasons_does_not(tmp_path,
                                                                                                      root):
     """Defect (a review of the watcher's retry): a bundle whose weights stream failed (a StorageError under the

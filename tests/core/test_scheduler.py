@@ -314,32 +314,42 @@ def test_drain_finishes_queued_work_then_refuses() -> None:
 
 
 def test_a_drain_that_hands_over_refuses_the_queued_requests_as_retired_and_finishes_the_running_and_hooked() -> None:
-    """A version a reload replaced (``hand_over``): its queued requests are refused ModelRetired naming it, which the
-    data plane sends to the version now serving, their time queued counted; a request a preprocess hook ran for
-    (``admitted``) and the running one finish here."""
+    """A version a reload replaced (``successor``): its queued requests are refused ModelRetired naming it, which
+    the data plane sends to the version now serving, their time queued counted; a request a preprocess hook ran
+    for (``admitted``), one the successor's input check refuses (the review: a bundle compiled for other sizes),
+    and the running one finish here."""
     async def scenario() -> None:
         backend = GatedDouble()
         scheduler = ModelScheduler("m", backend, SIGNATURE, capacity=8, instances=1, stats=ModelStats(),
                                    policy=BatchPolicy(enabled=False))
+        successor = ModelScheduler("m", GatedDouble(), SIGNATURE, capacity=8, instances=1, stats=ModelStats())
+
+        def refuse_threes(inputs: list[NamedTensor]) -> None:
+            if inputs[0].data[0, 0] == 3:
+                raise InvalidArgument("model 'm': not compiled for that")
+        successor.input_check = refuse_threes
         running = asyncio.create_task(scheduler.submit(rows(0), 1, 0))
         await until(lambda: scheduler.running_threads == 1)
         timing = RequestTiming()
         queued = asyncio.create_task(scheduler.submit(rows(1), 1, 0, timing))
+        refused_there = asyncio.create_task(scheduler.submit(rows(3), 1, 0))
         with scheduler.hooked_request():
             hooked = asyncio.create_task(scheduler.submit(rows(2), 1, 0, admitted=True))
-            await until(lambda: scheduler.queue_depth == 2)
+            await until(lambda: scheduler.queue_depth == 3)
             await asyncio.sleep(0.01)
-            drained = asyncio.create_task(scheduler.drain(hand_over=True))
+            drained = asyncio.create_task(scheduler.drain(successor=successor))
             with pytest.raises(ModelRetired, match="model 'm' was replaced by a new version before this request "
                                                    "could start") as refused:
                 await queued
             # Queue time, and no wait for room, which a deadline's message would tell of (the review).
-            assert refused.value.scheduler is scheduler and timing.queue_ns >= 10e6 and timing.room_wait_ns == 0
-            assert scheduler.queue_depth == 1 and not running.done()
+            assert refused.value.scheduler is scheduler and refused.value.handed_over
+            assert timing.queue_ns >= 10e6 and timing.room_wait_ns == 0
+            assert scheduler.queue_depth == 2 and not running.done()
             backend.gate.set()
-            assert [float((await task)[0].data[0, 0]) for task in (running, hooked)] == [0, 4]
+            assert [float((await task)[0].data[0, 0]) for task in (running, refused_there, hooked)] == [0, 6, 4]
         await drained
-        assert backend.ran == [0, 2]
+        assert backend.ran == [0, 3, 2]
+        await successor.drain()
     run(scenario())
 
 
