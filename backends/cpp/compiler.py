@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Collection, Iterator
+from typing import Callable, Collection, Iterator, Sequence
 
 from nereid.errors import ConfigError
 from nereid.files import (MAX_FOLDER_DEPTH, atomic_write, folder_depth, fsync_folder, kind_of, not_regular_reason,
@@ -89,6 +89,15 @@ def find_compiler() -> Compiler:
     # Absolute: a relative one (CXX=./cxxwrap, or "." on PATH) is the server's working directory's, and builds run
     # in the model's folder (they failed with a raw FileNotFoundError naming './cxxwrap').
     return (os.path.abspath(path), *words[1:])
+
+
+def compiler_command(compiler: Compiler, arguments: Sequence[str]) -> list[str]:
+    """The command that compiles with ``arguments``: nereid's own flags (CXX_FLAGS) before the flags $CXX gives,
+    which then win, as GCC and Clang take an option's last value (CXX="c++ -std=c++20" built as C++17, and
+    CXX="g++ -O0 -g" at -O2, the author hunt); after the words of the compiler itself (CXX="ccache g++")."""
+    flags_at = next((index for index, word in enumerate(compiler) if index and word.startswith("-")), len(compiler))
+    ours = [word for word in arguments if word in CXX_FLAGS]
+    return [*compiler[:flags_at], *ours, *compiler[flags_at:], *(word for word in arguments if word not in CXX_FLAGS)]
 
 
 def compiler_environment(**extra: str) -> dict[str, str]:
@@ -323,7 +332,8 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
             listed = ["-MMD", "-MF", str(listing)] if len(sources) == 1 else []
             dependencies = None
             with _killed_once_set(abandoned, groups), _compiler_started(compiler, what):
-                completed = run_model_process([*compiler, *arguments, *listed, "-o", str(partial)], cwd=cwd,
+                completed = run_model_process([*compiler_command(compiler, arguments), *listed, "-o", str(partial)],
+                                              cwd=cwd,
                                               env=compiler_environment(TMPDIR=str(work)), stdin=b"",
                                               timeout_s=COMPILE_TIMEOUT_S, groups=groups,
                                               head_bytes=MESSAGE_HEAD_CHARS,
@@ -403,7 +413,7 @@ def _list_each_source(compiler: Compiler, arguments: list[str], sources: tuple[s
     texts = []
     for index, source in enumerate(sources):
         listing = work / f"dependencies-{index}.d"
-        done = run_model_process([*compiler, *flags, "-MM", "-MF", str(listing), source], cwd=cwd,
+        done = run_model_process([*compiler_command(compiler, flags), "-MM", "-MF", str(listing), source], cwd=cwd,
                                  env=compiler_environment(TMPDIR=str(work)), stdin=b"", timeout_s=COMPILE_TIMEOUT_S,
                                  groups=groups)
         text = None if done.timed_out or done.returncode != 0 else _read_listing(listing)

@@ -157,6 +157,22 @@ def test_a_server_without_path_runs_the_compiler_with_the_default_path(tmp_path,
     assert os.access(target, os.X_OK)
 
 
+@pytest.mark.parametrize("cxx", ["c++ -std=c++20", "c++ -O0 -g -std=c++20"])
+def test_flags_given_in_cxx_win_over_nereid_s_own(tmp_path, monkeypatch, cxx):
+    """Found by the author hunt: nereid's -O2 -std=c++17 came after the flags $CXX gives, and GCC takes an option's
+    last value: CXX="c++ -std=c++20" built C++17 ("'consteval' does not name a type"), CXX="g++ -O0 -g" at -O2."""
+    monkeypatch.setenv("CXX", cxx)
+    (tmp_path / "main.cpp").write_text("consteval int twice(int x) { return 2 * x; }\n"
+                                       "int main() { return twice(21) == 42 ? 0 : 1; }\n")
+    (tmp_path / "out").mkdir()
+    target = tmp_path / "out" / "main-abc"
+    cpp_compiler.compile_to(cpp_compiler.find_compiler(), [*cpp_compiler.CXX_FLAGS, "main.cpp"], target, tmp_path,
+                            "model 'm'", "m")
+    assert subprocess.run([str(target)]).returncode == 0
+    assert cpp_compiler.compiler_command(("/usr/bin/ccache", "g++", "-O0"), ["-O2", "-std=c++17", "main.cpp"]) == [
+        "/usr/bin/ccache", "g++", "-O2", "-std=c++17", "-O0", "main.cpp"]  # (after the compiler's own words)
+
+
 def test_a_source_the_server_s_user_cannot_read_is_told_to_be_made_readable(tmp_path: Path) -> None:
     """Defect (the hunt of edc6865): an unreadable main.cpp, a regular file, was told "make it a regular file or
     remove it"."""
