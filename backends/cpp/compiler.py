@@ -100,6 +100,12 @@ def compiler_command(compiler: Compiler, arguments: Sequence[str]) -> list[str]:
     return [*compiler[:flags_at], *ours, *compiler[flags_at:], *(word for word in arguments if word not in CXX_FLAGS)]
 
 
+def flags_order_key(compiler: Compiler) -> bytes:
+    """What a build key adds for a compiler whose $CXX gives flags: its builds from before they came after nereid's
+    own (see :func:`compiler_command`) were built with nereid's winning, and are not reused."""
+    return b"\0CXX flags last" if any(word.startswith("-") for word in compiler[1:]) else b""
+
+
 def compiler_environment(**extra: str) -> dict[str, str]:
     """The server's environment plus ``extra``, for running the compiler; PATH is DEFAULT_PATH when unset or empty.
 
@@ -191,7 +197,7 @@ def source_key(folder: Path, compiler: Compiler, model: str) -> tuple[str, list[
     """:func:`source_hash`, and the files it covers."""
     digest = hashlib.sha256()
     digest.update(compiler_key(compiler))
-    digest.update(" ".join(CXX_FLAGS).encode())
+    digest.update(" ".join(CXX_FLAGS).encode() + flags_order_key(compiler))
     files = code_files(folder, SOURCE_SUFFIXES)
     if not files:
         raise unkeyed_build(model, folder)

@@ -27,8 +27,8 @@ from importlib import resources
 from pathlib import Path
 
 from nereid.backends.cpp.compiler import (CXX_FLAGS, SOURCE_SUFFIXES, Compiler, cached_build, code_files,
-                                          compiler_key, compiler_version, find_compiler, read_code_file,
-                                          unkeyed_build)
+                                          compiler_key, compiler_version, find_compiler, flags_order_key,
+                                          read_code_file, unkeyed_build)
 from nereid.backends.cxx import HEADER_NAME
 from nereid.errors import ConfigError
 from nereid.files import not_regular_reason
@@ -78,7 +78,8 @@ def library_hash(sources: tuple[Path, ...], compiler: Compiler, folder: Path, *,
 def library_key(sources: tuple[Path, ...], compiler: Compiler, folder: Path, *, model: str) -> tuple[str, list[Path]]:
     """:func:`library_hash`, and the files it covers."""
     digest = hashlib.sha256()
-    digest.update(compiler_key(compiler) + b"\0" + " ".join((*CXX_FLAGS, *shared_flags(compiler))).encode() + b"\0")
+    digest.update(compiler_key(compiler) + b"\0" + " ".join((*CXX_FLAGS, *shared_flags(compiler))).encode() +
+                  flags_order_key(compiler) + b"\0")
     header = header_dir() / HEADER_NAME
     digest.update(header.read_bytes() + b"\0")
     parents = {s.parent for s in sources}
