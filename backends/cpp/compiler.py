@@ -361,7 +361,7 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
         if completed.timed_out:
             raise ConfigError(f"{what}: compilation took longer than {COMPILE_TIMEOUT_S} s")
         raise ConfigError(f"{what}: compilation failed ({os.path.basename(compiler[0])} {completed.describe()}):\n"
-                          f"{completed.output_tail}{_link_hint(completed.output_tail)}")
+                          f"{completed.output_tail}{_link_hint(completed.output_tail, cwd, sources)}")
     if completed.output_tail.strip():  # warnings (a #warning, a deprecation): shown once, at the build
         log.warning("model '%s': the compiler warned (the build succeeded):\n%s", model, completed.output_tail.rstrip())
     # Readable and runnable by the server whatever its umask: root's 0177 or 0777 (which nereid refuses only for
@@ -372,13 +372,34 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
     return dependencies
 
 
-def _link_hint(output: str) -> str:
-    """What to do about a link that missed a library (``undefined reference to `crc32'``): nothing but the C++
-    standard library is linked, which the linker's words alone did not say (the native backends hunt)."""
+def _link_hint(output: str, folder: Path, sources: Collection[str]) -> str:
+    """What to do about a link that missed a symbol (``undefined reference to `crc32'``): only ``sources`` are
+    compiled, so a source file beside them in the folder is not (the author hunt: a helper.cpp beside main.cpp was
+    told to become a library); and nothing but the C++ standard library is linked, which the linker's words alone
+    did not say (the native backends hunt)."""
     if "undefined reference to" not in output:
         return ""
+    others = uncompiled_sources(folder, sources)
+    if others:
+        return (f"\n(only {', '.join(sources)} is compiled: {', '.join(others)} beside it in the model folder is not; "
+                "#include it from main.cpp, or declare the model a cxx model that lists it in runtime.sources)")
     return ("\n(nothing beyond the C++ standard library is linked into a build: a model that needs another library "
             "is a cxx model with a prebuilt library:, linked as it likes; see the README's cxx backend)")
+
+
+def uncompiled_sources(folder: Path, sources: Collection[str | Path]) -> list[str]:
+    """The C and C++ source files (not headers) directly in ``folder`` that are not among ``sources``, by name: what
+    a missing symbol may be defined in."""
+    compiled = {Path(folder, source).resolve() for source in sources}
+    try:
+        entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+    except OSError:
+        return []
+    return [entry.name for entry in entries if entry.name.endswith(COMPILED_SUFFIXES) and entry.is_file()
+            and not entry.name.startswith(".") and Path(entry.path).resolve() not in compiled]
+
+
+COMPILED_SUFFIXES = (".cpp", ".cc", ".cxx", ".c++", ".C", ".c")  # (SOURCE_SUFFIXES less the headers)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, load_te
 from nereid.tensors import NamedTensor
 
 from nereid.backends.subprocess.dtype_names import contract_name
+from nereid.backends.cpp.compiler import uncompiled_sources
 from nereid.backends.cxx.build import build_library
 from nereid.backends.cxx.library import CTensor, NativeLibrary
 from nereid.backends.cxx.options import parse_options
@@ -103,6 +104,10 @@ class CxxModel:
             if options.library is None and "undefined symbol" in str(err):
                 # (A source build links nothing but the C++ standard library: an OpenMP call or another
                 # library's symbol is left for the loader, which names only the symbol; the native-models hunt.)
+                others = uncompiled_sources(folder, options.sources)
+                if others:  # (a helper.cpp beside model.cpp, not listed: the author hunt)
+                    raise ConfigError(f"{err} (only runtime.sources are compiled: {', '.join(others)} beside them "
+                                      "in the model folder is not; list it in runtime.sources)") from None
                 raise ConfigError(f"{err} (a library built from runtime.sources is compiled with $CXX -O2 "
                                   "-std=c++17 -shared -fPIC, nothing else linked: a model that needs -fopenmp or "
                                   "another library takes a prebuilt library: built as it likes, or the server a CXX "

@@ -508,6 +508,20 @@ def test_a_link_that_misses_a_library_says_that_only_the_standard_library_is_lin
         "cxx model with a prebuilt library:, linked as it likes; see the README's cxx backend)")
 
 
+def test_a_link_that_misses_a_function_defined_beside_main_cpp_names_that_file(tmp_path):
+    """Found by the author hunt: a helper.cpp beside main.cpp, which only main.cpp's build never compiles, got the
+    advice to make the model a cxx model with a prebuilt library."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "main.cpp").write_text("float helper(float);\nint main() { return static_cast<int>(helper(0)); }\n")
+    (folder / "helper.cpp").write_text("float helper(float x) { return x; }\n")
+    with pytest.raises(ConfigError) as failed:
+        cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert str(failed.value).endswith(
+        "(only main.cpp is compiled: helper.cpp beside it in the model folder is not; #include it from main.cpp, or "
+        "declare the model a cxx model that lists it in runtime.sources)")
+
+
 def test_a_source_whose_name_is_not_utf8_is_keyed(tmp_path):
     """Found by the deployment hunt: a header named in Latin-1 in a cpp model's folder failed its load with
     UnicodeEncodeError (surrogates not allowed) as its key was computed."""

@@ -496,3 +496,17 @@ def test_a_source_build_missing_a_library_says_what_a_source_build_links(repo, t
         model.load()
     assert "undefined symbol: omp_get_num_threads" in str(refused.value)
     assert str(refused.value).endswith("as CXX=\"c++ -fopenmp\")"), str(refused.value)
+
+
+def test_a_source_build_missing_a_function_defined_beside_it_names_that_file(repo, tmp_path):
+    """Found by the author hunt: a helper.cpp beside the model's source, not listed in runtime.sources, got the
+    advice to take a prebuilt library or a CXX with a flag."""
+    folder = repo.add("two", 'output { name: "x" data_type: "INT64" dims: [1] }\n')
+    (folder / "model.cpp").write_text(OPENMP_CALL_SOURCE.replace("#include <omp.h>", 'extern "C" int helper_threads();')
+                                      .replace("omp_get_num_threads", "helper_threads"))
+    (folder / "helper.cpp").write_text('extern "C" int helper_threads() { return 1; }\n')
+    settings = ModelSettings("two", runtime={"sources": [str(folder / "model.cpp")]})
+    with pytest.raises(ConfigError) as refused:
+        CxxModel(ModelContext("two", folder, settings, tmp_path, "test")).load()
+    assert str(refused.value).endswith("(only runtime.sources are compiled: helper.cpp beside them in the model "
+                                       "folder is not; list it in runtime.sources)"), str(refused.value)
