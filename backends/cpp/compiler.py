@@ -95,9 +95,13 @@ def compiler_command(compiler: Compiler, arguments: Sequence[str]) -> list[str]:
     """The command that compiles with ``arguments``: nereid's own flags (CXX_FLAGS) before the flags $CXX gives,
     which then win, as GCC and Clang take an option's last value (CXX="c++ -std=c++20" built as C++17, and
     CXX="g++ -O0 -g" at -O2, the author hunt); after the words of the compiler itself (CXX="ccache g++")."""
-    flags_at = next((index for index, word in enumerate(compiler) if index and word.startswith("-")), len(compiler))
+    # After the last word that names a program: the compiler, past a launcher and the launcher's own options
+    # (CXX="env -u FOO g++", "nice -n 5 g++": the review found the first option word taken for the compiler's).
+    program_at = max((index for index, word in enumerate(compiler)
+                      if index == 0 or (not word.startswith("-") and shutil.which(word))), default=0)
     ours = [word for word in arguments if word in CXX_FLAGS]
-    return [*compiler[:flags_at], *ours, *compiler[flags_at:], *(word for word in arguments if word not in CXX_FLAGS)]
+    return [*compiler[:program_at + 1], *ours, *compiler[program_at + 1:],
+            *(word for word in arguments if word not in CXX_FLAGS)]
 
 
 def flags_order_key(compiler: Compiler) -> bytes:

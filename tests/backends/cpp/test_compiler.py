@@ -169,8 +169,11 @@ def test_flags_given_in_cxx_win_over_nereid_s_own(tmp_path, monkeypatch, cxx):
     cpp_compiler.compile_to(cpp_compiler.find_compiler(), [*cpp_compiler.CXX_FLAGS, "main.cpp"], target, tmp_path,
                             "model 'm'", "m")
     assert subprocess.run([str(target)]).returncode == 0
-    assert cpp_compiler.compiler_command(("/usr/bin/ccache", "g++", "-O0"), ["-O2", "-std=c++17", "main.cpp"]) == [
-        "/usr/bin/ccache", "g++", "-O2", "-std=c++17", "-O0", "main.cpp"]  # (after the compiler's own words)
+    # After the compiler's own words, a launcher's options included (the review: "env -u FOO g++" got them first).
+    for launched in (("/usr/bin/ccache", "g++", "-O0"), ("/usr/bin/env", "-u", "FOO", "g++", "-O0"),
+                     ("/usr/bin/nice", "-n", "5", "g++", "-O0")):
+        assert cpp_compiler.compiler_command(launched, ["-O2", "-std=c++17", "main.cpp"]) == [
+            *launched[:-1], "-O2", "-std=c++17", "-O0", "main.cpp"]
 
 
 def test_a_source_the_server_s_user_cannot_read_is_told_to_be_made_readable(tmp_path: Path) -> None:
