@@ -163,9 +163,10 @@ def make_runner(backend: Model, signature: ModelSignature, batch_signature: Mode
     preprocess = backend.preprocess if isinstance(backend, Preprocesses) else None
     postprocess = backend.postprocess if isinstance(backend, Postprocesses) else None
     # Refused before queueing: a request no execution could run must not wait for one, nor fail the batch it joins.
-    check_inputs = _input_check(backend, scheduler) if isinstance(backend, ChecksInputs) else None
+    raw_check = checked_input_check(scheduler.name, backend) if isinstance(backend, ChecksInputs) else None
+    check_inputs = _guarded_input_check(raw_check, scheduler) if raw_check is not None else None
     scheduler.postprocessed = postprocess is not None
-    scheduler.input_check = check_inputs
+    scheduler.input_check = _taking_check(raw_check, batch_signature) if preprocess is None else _takes_none
     to_program = _in_program_order(signature, batch_signature) if preprocess is None else None
     if preprocess is None and postprocess is None:
         if check_inputs is None and to_program is None:
@@ -317,13 +318,33 @@ def checked_input_check(name: str, backend: ChecksInputs) -> Callable[[list[Name
     return check
 
 
-def _input_check(backend: ChecksInputs, scheduler: ModelScheduler) -> Callable[[list[NamedTensor]], None] | None:
+def _taking_check(check: Callable[[list[NamedTensor]], object] | None,
+                  batch_signature: ModelSignature) -> Callable[[list[NamedTensor]], None] | None:
+    """What a reload's hand-over asks of this version for a request queued at the version it replaced (see
+    ModelScheduler.input_check): the request's tensors, put in this version's order of the program's inputs by
+    name (the old version's order may differ), through its raw input check, which raises when it does not take
+    them (a fault of the check too: the request then stays where it was accepted, and no fault is logged)."""
+    names = batch_signature.input_names
+
+    def takes(tensors: list[NamedTensor]) -> None:
+        by_name = {tensor.name: tensor for tensor in tensors}
+        if sorted(by_name) != sorted(names):
+            raise ValueError("other inputs")
+        if check is not None:
+            check([by_name[name] for name in names])
+    return takes
+
+
+def _takes_none(tensors: list[NamedTensor]) -> None:
+    """A version with a preprocess hook takes no other version's queued request: its hook makes what it queues."""
+    raise ValueError("a preprocess hook's model")
+
+
+def _guarded_input_check(check: Callable[[list[NamedTensor]], object],
+                         scheduler: ModelScheduler) -> Callable[[list[NamedTensor]], None]:
     """The model's input check (asked for once, at load), guarded as the model code it is: its refusal names
     the model; anything else it raises (sys.exit() included) is the model's logged fault, INTERNAL, never an
     error that escapes the data plane uncounted."""
-    check = checked_input_check(scheduler.name, backend)
-    if check is None:
-        return None
 
     def checked(inputs: list[NamedTensor]) -> None:
         try:

@@ -629,6 +629,40 @@ def test_the_input_check_of_a_model_with_a_preprocess_hook_judges_the_hook_s_res
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+def test_what_a_reload_s_hand_over_asks_of_a_version_is_its_own_check_of_its_own_order() -> None:
+    """Found by the review of the hand-over: the successor's guarded check was given the old version's queued
+    tensors as they were, in the old version's order of the program's inputs, and a successor with a preprocess
+    hook judged raw client tensors by its program's check, logging each as a fault of its own."""
+    async def scenario() -> None:
+        two = ModelSignature((TensorSpec("a", DType.FP32, (2,)), TensorSpec("b", DType.FP32, (2,))),
+                             SIGNATURE.outputs, 4)
+        seen: list[list[str]] = []
+
+        class Ordered(Checking):
+            def input_check(self) -> Callable[[list[NamedTensor]], None]:
+                def check(inputs: list[NamedTensor]) -> None:
+                    seen.append([tensor.name for tensor in inputs])
+                    if (inputs[0].data < 0).any():
+                        raise InvalidArgument("model 'm': input 'a' holds a negative number")
+                return check
+        scheduler = ModelScheduler("m", Ordered(), two, capacity=4, instances=1, stats=ModelStats())
+        make_runner(Ordered(), two, two, scheduler, HookThreads("m"))
+        pair = [NamedTensor("b", DType.FP32, np.ones((1, 2), np.float32)),
+                NamedTensor("a", DType.FP32, np.ones((1, 2), np.float32))]
+        scheduler.input_check(pair)  # (taken: raises nothing)
+        with pytest.raises(InvalidArgument):
+            scheduler.input_check([pair[0], NamedTensor("a", DType.FP32, -np.ones((1, 2), np.float32))])
+        assert seen == [["a", "b"], ["a", "b"]]  # in its own order, by name
+        hooked = ModelScheduler("h", Checking(pre=lambda tensors: tensors), SIGNATURE, capacity=4, instances=1,
+                                stats=ModelStats())
+        make_runner(Checking(pre=lambda tensors: tensors), SIGNATURE, SIGNATURE, hooked, HookThreads("h"))
+        with pytest.raises(ValueError):  # (its hook makes what it queues: it takes no other version's request)
+            hooked.input_check(rows(1))
+        await scheduler.drain()
+        await hooked.drain()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
 class CheckingAfter(Checking):
     """A Checking model with a postprocess hook (and no preprocess one)."""
 
