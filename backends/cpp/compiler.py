@@ -377,30 +377,55 @@ def compile_to(compiler: Compiler, arguments: list[str], target: Path, cwd: Path
 
 
 def _link_hint(output: str, folder: Path, sources: Collection[str]) -> str:
-    """What to do about a link that missed a symbol (``undefined reference to `crc32'``): only ``sources`` are
-    compiled, so a source file beside them in the folder is not (the author hunt: a helper.cpp beside main.cpp was
-    told to become a library); and nothing but the C++ standard library is linked, which the linker's words alone
-    did not say (the native backends hunt)."""
+    """What to do about a link that missed a symbol (``undefined reference to `crc32'``): nothing but the C++
+    standard library is linked, which the linker's words alone did not say (the native backends hunt); and only
+    ``sources`` are compiled, so a source file beside them that defines the symbol is not (the author hunt: a
+    helper.cpp beside main.cpp was told to become a library)."""
     if "undefined reference to" not in output:
         return ""
-    others = uncompiled_sources(folder, sources)
-    if others:
-        return (f"\n(only {', '.join(sources)} is compiled: {', '.join(others)} beside it in the model folder is not; "
-                "#include it from main.cpp, or declare the model a cxx model that lists it in runtime.sources)")
+    beside = uncompiled_sources(folder, sources, missing_symbols(output))
+    where = (f"; only {', '.join(sources)} is compiled: {', '.join(beside)} beside it in the model folder is not, "
+             "#include it from main.cpp" if beside else "")
     return ("\n(nothing beyond the C++ standard library is linked into a build: a model that needs another library "
-            "is a cxx model with a prebuilt library:, linked as it likes; see the README's cxx backend)")
+            f"is a cxx model with a prebuilt library:, linked as it likes; see the README's cxx backend{where})")
 
 
-def uncompiled_sources(folder: Path, sources: Collection[str | Path]) -> list[str]:
-    """The C and C++ source files (not headers) directly in ``folder`` that are not among ``sources``, by name: what
-    a missing symbol may be defined in."""
+def missing_symbols(output: str) -> set[str]:
+    """The names of the functions or variables a linker's or loader's message says are undefined (``helper`` of
+    `` `helper(float)' `` and of ``_Z6helperf (helper(float))``; ``crc32``), without namespaces or arguments."""
+    quoted = re.findall(r"undefined (?:reference to [`']|symbol: \S+ \()([^'()]+)", output)
+    plain = re.findall(r"undefined symbol: ([A-Za-z_]\w*)(?:$|\s)", output)
+    return {name.rsplit("::", 1)[-1].strip() for name in (*quoted, *plain) if name.strip()}
+
+
+def uncompiled_sources(folder: Path, sources: Collection[str | Path], symbols: Collection[str]) -> list[str]:
+    """The C and C++ source files (not headers) in ``folder`` and beside each of ``sources``, not among them, whose
+    text names one of ``symbols`` (what such a missing symbol may be defined in; one the build includes names it
+    too, and is no news), by name relative to ``folder`` when within it."""
     compiled = {Path(folder, source).resolve() for source in sources}
+    found: list[str] = []
+    for place in dict.fromkeys([Path(folder), *(Path(folder, source).parent for source in sources)]):
+        try:
+            entries = sorted(os.scandir(place), key=lambda entry: entry.name)
+        except OSError:
+            continue
+        for entry in entries:
+            path = Path(entry.path)
+            if (not entry.name.endswith(COMPILED_SUFFIXES) or entry.name.startswith(".") or not entry.is_file()
+                    or path.resolve() in compiled or not _names_any(path, symbols)):
+                continue
+            found.append(os.path.relpath(path, folder) if path.is_relative_to(folder) else str(path))
+    return found
+
+
+def _names_any(path: Path, symbols: Collection[str]) -> bool:
+    """Whether the source file at ``path`` names one of ``symbols`` as a word (its first MiB is read)."""
     try:
-        entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+        with open(path, "rb") as file:
+            text = file.read(1 << 20).decode("utf-8", "replace")
     except OSError:
-        return []
-    return [entry.name for entry in entries if entry.name.endswith(COMPILED_SUFFIXES) and entry.is_file()
-            and not entry.name.startswith(".") and Path(entry.path).resolve() not in compiled]
+        return False
+    return any(re.search(rf"\b{re.escape(symbol)}\b", text) for symbol in symbols)
 
 
 COMPILED_SUFFIXES = (".cpp", ".cc", ".cxx", ".c++", ".C", ".c")  # (SOURCE_SUFFIXES less the headers)

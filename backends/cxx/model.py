@@ -24,7 +24,7 @@ from nereid.signature import TEXTPROTO_NAME, ModelSignature, TensorSpec, load_te
 from nereid.tensors import NamedTensor
 
 from nereid.backends.subprocess.dtype_names import contract_name
-from nereid.backends.cpp.compiler import uncompiled_sources
+from nereid.backends.cpp.compiler import missing_symbols, uncompiled_sources
 from nereid.backends.cxx.build import build_library
 from nereid.backends.cxx.library import CTensor, NativeLibrary
 from nereid.backends.cxx.options import parse_options
@@ -104,14 +104,14 @@ class CxxModel:
             if options.library is None and "undefined symbol" in str(err):
                 # (A source build links nothing but the C++ standard library: an OpenMP call or another
                 # library's symbol is left for the loader, which names only the symbol; the native-models hunt.)
-                others = uncompiled_sources(folder, options.sources)
-                if others:  # (a helper.cpp beside model.cpp, not listed: the author hunt)
-                    raise ConfigError(f"{err} (only runtime.sources are compiled: {', '.join(others)} beside them "
-                                      "in the model folder is not; list it in runtime.sources)") from None
+                # (A helper.cpp beside model.cpp that defines the symbol, not listed: the author hunt.)
+                beside = uncompiled_sources(folder, options.sources, missing_symbols(str(err)))
+                where = (f"; only runtime.sources are compiled: {', '.join(beside)}, beside them, is not: list it "
+                         "in runtime.sources" if beside else "")
                 raise ConfigError(f"{err} (a library built from runtime.sources is compiled with $CXX -O2 "
                                   "-std=c++17 -shared -fPIC, nothing else linked: a model that needs -fopenmp or "
                                   "another library takes a prebuilt library: built as it likes, or the server a CXX "
-                                  "that adds the flag, as CXX=\"c++ -fopenmp\")") from None
+                                  f"that adds the flag, as CXX=\"c++ -fopenmp\"{where})") from None
             raise
         try:
             if library.load is not None:

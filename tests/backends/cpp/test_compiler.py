@@ -521,8 +521,15 @@ def test_a_link_that_misses_a_function_defined_beside_main_cpp_names_that_file(t
     with pytest.raises(ConfigError) as failed:
         cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
     assert str(failed.value).endswith(
-        "(only main.cpp is compiled: helper.cpp beside it in the model folder is not; #include it from main.cpp, or "
-        "declare the model a cxx model that lists it in runtime.sources)")
+        "see the README's cxx backend; only main.cpp is compiled: helper.cpp beside it in the model folder is not, "
+        "#include it from main.cpp)")
+    # A file that names none of what is missing is not named (the review: a folder whose main.cpp included
+    # helper.cpp and missed zlib's crc32 was told to include helper.cpp).
+    (folder / "main.cpp").write_text('#include "helper.cpp"\nextern "C" unsigned long crc32(unsigned long, '
+                                     'const unsigned char*, unsigned);\nint main() { return crc32(0, nullptr, 0); }\n')
+    with pytest.raises(ConfigError) as failed:
+        cpp_compiler.build_binary(folder, "main.cpp", tmp_path / "scratch", "m")
+    assert str(failed.value).endswith("see the README's cxx backend)")
 
 
 def test_a_source_whose_name_is_not_utf8_is_keyed(tmp_path):

@@ -508,5 +508,5 @@ def test_a_source_build_missing_a_function_defined_beside_it_names_that_file(rep
     settings = ModelSettings("two", runtime={"sources": [str(folder / "model.cpp")]})
     with pytest.raises(ConfigError) as refused:
         CxxModel(ModelContext("two", folder, settings, tmp_path, "test")).load()
-    assert str(refused.value).endswith("(only runtime.sources are compiled: helper.cpp beside them in the model "
-                                       "folder is not; list it in runtime.sources)"), str(refused.value)
+    assert str(refused.value).endswith("; only runtime.sources are compiled: helper.cpp, beside them, is not: list "
+                                       "it in runtime.sources)"), str(refused.value)
