@@ -319,7 +319,7 @@ def checked_input_check(name: str, backend: ChecksInputs) -> Callable[[list[Name
 
 
 def _taking_check(check: Callable[[list[NamedTensor]], object] | None,
-                  batch_signature: ModelSignature) -> Callable[[list[NamedTensor]], None] | None:
+                  batch_signature: ModelSignature) -> Callable[[list[NamedTensor]], None]:
     """What a reload's hand-over asks of this version for a request queued at the version it replaced (see
     ModelScheduler.input_check): the request's tensors, put in this version's order of the program's inputs by
     name (the old version's order may differ), through its raw input check, which raises when it does not take

@@ -170,8 +170,8 @@ class ModelScheduler:
         # Whether the model's own admission is full when it is not the queue's (a model runner's preprocess stage,
         # whose requests count against capacity beside the queue's): what wakes a waiter asks first.
         self.stage_full: Callable[[], bool] | None = None
-        # The model's check of a request's inputs before it queues (its ChecksInputs rule; set by the model's runner):
-        # what a reload's hand-over asks of the successor for each request it would give it.
+        # What a reload's hand-over asks of this model, as the successor, for each request queued at the version it
+        # replaced: raises when it would not take it (its ChecksInputs rule among others; set by its runner).
         self.input_check: Callable[[list[NamedTensor]], None] | None = None
 
     @property
