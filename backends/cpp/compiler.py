@@ -42,7 +42,8 @@ from nereid.backends.host_cpu import host_cpu
 # (.def: X-macro tables; .cuh: CUDA headers; .txx / .ixx / .cppm: template and module units.)
 HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".h++", ".H", ".inl", ".ipp", ".tpp", ".tcc", ".txx", ".inc",
                    ".def", ".cuh", ".ixx", ".cppm")
-SOURCE_SUFFIXES = (".cpp", ".cc", ".cxx", ".c++", ".C", ".c", *HEADER_SUFFIXES)
+COMPILED_SUFFIXES = (".cpp", ".cc", ".cxx", ".c++", ".C", ".c")  # what a compiler takes as a translation unit
+SOURCE_SUFFIXES = (*COMPILED_SUFFIXES, *HEADER_SUFFIXES)
 CXX_FLAGS = ("-O2", "-std=c++17")
 COMPILE_TIMEOUT_S = 600
 CACHE_DIR = ".cache"
@@ -426,9 +427,6 @@ def _names_any(path: Path, symbols: Collection[str]) -> bool:
     except OSError:
         return False
     return any(re.search(rf"\b{re.escape(symbol)}\b", text) for symbol in symbols)
-
-
-COMPILED_SUFFIXES = (".cpp", ".cc", ".cxx", ".c++", ".C", ".c")  # (SOURCE_SUFFIXES less the headers)
 
 
 @contextlib.contextmanager
