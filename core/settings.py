@@ -414,10 +414,16 @@ def load_settings(path: Path) -> Settings:
 
 
 def settings_from_bytes(data: bytes, path: Path, read_tls: bool = True) -> Settings:
-    """Check nereid.yaml's bytes ``data`` (already read) as if read from ``path``: bytes that are not UTF-8 are
-    explained with the offset of the first bad one. ``read_tls``: see :func:`parse_settings`."""
-    document = load_yaml(decode_text(data, path), path)
+    """Check nereid.yaml's bytes ``data`` (already read) as if read from ``path``. ``read_tls``: see
+    :func:`parse_settings`."""
+    document = document_from_bytes(data, path)
     return parse_settings(document if document is not None else {}, path, read_tls)
+
+
+def document_from_bytes(data: bytes, path: Path) -> Any:
+    """nereid.yaml's bytes ``data`` as YAML values (None: no document), as if read from ``path``: bytes that are not
+    UTF-8 are explained with the offset of the first bad one."""
+    return load_yaml(decode_text(data, path), path)
 
 
 def parse_settings(document: Any, path: Path, read_tls: bool = True) -> Settings:

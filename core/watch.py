@@ -48,12 +48,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from nereid.daemon_pool import on_io_thread, on_work_thread
-from nereid.config_document import load_yaml, same_values
+from nereid.config_document import same_values
 from nereid.errors import ConfigError, NotFound, Unavailable
 from nereid.file_events import Follow, RepositoryFollower
-from nereid.files import decode_text, read_regular_file
+from nereid.files import read_regular_file
 from nereid.folder_states import FolderState, moved_files_unloaded, plan_changes, scan_repository, scan_store
-from nereid.settings import MAX_CONFIG_BYTES, Settings, parse_settings
+from nereid.settings import MAX_CONFIG_BYTES, Settings, document_from_bytes, parse_settings
 from nereid.settling import SettlingFolders
 from nereid.storage import StorageError, failure_kind, parse_store_url, store_failed
 from nereid.store_retries import StoreRetries
@@ -125,7 +125,7 @@ def _settings_from(look: ConfigLook, path: Path) -> Settings:
     settled are the ones applied."""
     if look.data is None:
         raise ConfigError(look.refusal or f"{path}: cannot read")
-    document = load_yaml(decode_text(look.data, path), path)
+    document = document_from_bytes(look.data, path)
     if document is None:
         # No document (nothing, or blank lines and comments): valid, and it would serve every folder with the
         # defaults (all of them loaded, the listed ones reloaded with default settings). It is what a file
