@@ -13,8 +13,9 @@ import os
 import stat
 import struct
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
+T = TypeVar("T")
 Read = Callable[[int, int], bytes]  # (offset, size) -> up to size bytes of the file at offset
 
 _MAX_NAME_BYTES = 4096  # read for one name or search path (short; one without its NUL in it is skipped)
@@ -64,20 +65,52 @@ def _elf_header(header: bytes) -> tuple[bool, str] | None:
     return header[4] == 2, "<" if header[5] == 1 else ">"
 
 
-def _cut_short(read: Read, size: int) -> str | None:
+@dataclass(frozen=True)
+class _Layout:
+    """Where an ELF file's header says its program and section header tables are, and how to read its words."""
+
+    wide: bool  # 64-bit
+    order: str  # struct's byte order
+    phoff: int
+    phentsize: int
+    phnum: int
+    shoff: int
+    shentsize: int
+    shnum: int
+
+
+def _layout(read: Read) -> _Layout | None:
+    """The ELF header of the file ``read`` reads; None when it is no ELF file."""
     header = read(0, 64)
     kind = _elf_header(header)
     if kind is None:
         return None
     wide, order = kind
-    if wide:
-        phoff, shoff = struct.unpack_from(order + "QQ", header, 0x20)
-        phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", header, 0x36)
-    else:
-        phoff, shoff = struct.unpack_from(order + "II", header, 0x1C)
-        phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", header, 0x2A)
-    needed = shoff + shentsize * shnum
-    for kind, offset, _, filesz in _program_headers(read, wide, order, phoff, phentsize, phnum):
+    phoff, shoff = struct.unpack_from(order + ("QQ" if wide else "II"), header, 0x20 if wide else 0x1C)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", header, 0x36 if wide else 0x2A)
+    return _Layout(wide, order, phoff, phentsize, phnum, shoff, shentsize, shnum)
+
+
+def _parsed(path: str, parse: Callable[[Read], T], empty: T) -> T:
+    """``parse`` of the regular file ``path``, read with ``pread``; ``empty`` for a file that is not regular, or
+    cannot be read, or is cut short."""
+    fd = _opened(path)
+    if fd is None:
+        return empty
+    try:
+        return parse(lambda offset, count: os.pread(fd, count, offset))
+    except (OSError, ValueError, struct.error):  # unreadable, cut short
+        return empty
+    finally:
+        os.close(fd)
+
+
+def _cut_short(read: Read, size: int) -> str | None:
+    layout = _layout(read)
+    if layout is None:
+        return None
+    needed = layout.shoff + layout.shentsize * layout.shnum
+    for kind, offset, _, filesz in _program_headers(read, layout):
         if kind in (1, 2):  # PT_LOAD, PT_DYNAMIC
             needed = max(needed, offset + filesz)
     if needed > size:
@@ -86,17 +119,16 @@ def _cut_short(read: Read, size: int) -> str | None:
     return None
 
 
-def _program_headers(read: Read, wide: bool, order: str, phoff: int, phentsize: int,
-                     phnum: int) -> list[tuple[int, int, int, int]]:
+def _program_headers(read: Read, layout: _Layout) -> list[tuple[int, int, int, int]]:
     """(p_type, p_offset, p_vaddr, p_filesz) of each program header; struct.error when the table is cut short."""
-    table = read(phoff, phentsize * phnum)
+    table = read(layout.phoff, layout.phentsize * layout.phnum)
     headers = []
-    for index in range(phnum):
-        at = index * phentsize
-        if wide:
-            kind, _, offset, vaddr, _, filesz = struct.unpack_from(order + "IIQQQQ", table, at)
+    for index in range(layout.phnum):
+        at = index * layout.phentsize
+        if layout.wide:
+            kind, _, offset, vaddr, _, filesz = struct.unpack_from(layout.order + "IIQQQQ", table, at)
         else:
-            kind, offset, vaddr, _, filesz = struct.unpack_from(order + "IIIII", table, at)
+            kind, offset, vaddr, _, filesz = struct.unpack_from(layout.order + "IIIII", table, at)
         headers.append((kind, offset, vaddr, filesz))
     return headers
 
@@ -128,15 +160,7 @@ def needed_libraries(path: str) -> list[str]:
 def link_names(path: str) -> LinkNames:
     """The DT_NEEDED names and the search folders of the ELF shared object ``path``; empty ones for a file that
     is no readable, regular ELF file, or one whose dynamic section cannot be followed."""
-    fd = _opened(path)
-    if fd is None:
-        return LinkNames()
-    try:
-        strings = _dynamic_strings(lambda offset, count: os.pread(fd, count, offset))
-    except (OSError, ValueError, struct.error):  # unreadable, cut short
-        return LinkNames()
-    finally:
-        os.close(fd)
+    strings = _parsed(path, _dynamic_strings, {})
     runpath = strings.get(_DT_RUNPATH)
     return LinkNames(strings.get(_DT_NEEDED, []),
                      None if runpath is None else [folder for text in runpath for folder in text.split(":")],
@@ -148,16 +172,12 @@ _DT_NEEDED, _DT_RPATH, _DT_RUNPATH = 1, 15, 29  # dynamic entries whose value is
 
 def _dynamic_strings(read: Read) -> dict[int, list[str]]:
     """The strings of the DT_NEEDED, DT_RPATH and DT_RUNPATH entries of the dynamic section, by tag, in order."""
-    header = read(0, 64)
-    kind = _elf_header(header)
-    if kind is None:
+    layout = _layout(read)
+    if layout is None:
         return {}
-    wide, order = kind
-    word = "Q" if wide else "I"
-    phoff, = struct.unpack_from(order + word, header, 0x20 if wide else 0x1C)
-    phentsize, phnum = struct.unpack_from(order + "HH", header, 0x36 if wide else 0x2A)
+    wide, order = layout.wide, layout.order
     loads, dynamic = [], None  # (vaddr, offset, filesz) of each PT_LOAD; (offset, filesz) of PT_DYNAMIC
-    for kind, offset, vaddr, filesz in _program_headers(read, wide, order, phoff, phentsize, phnum):
+    for kind, offset, vaddr, filesz in _program_headers(read, layout):
         if kind == 1:
             loads.append((vaddr, offset, filesz))
         elif kind == 2:
@@ -203,29 +223,18 @@ def unique_symbols(path: str) -> list[str]:
     The loader binds each process-wide, and never unmaps the library that holds one: the objects of its first load
     outlive a reload of a rebuilt library, and are shared with every library defining them.
     """
-    fd = _opened(path)
-    if fd is None:
-        return []
-    try:
-        return _unique_symbols(lambda offset, count: os.pread(fd, count, offset))
-    except (OSError, ValueError, struct.error):  # unreadable, cut short
-        return []
-    finally:
-        os.close(fd)
+    return _parsed(path, _unique_symbols, [])
 
 
 def _unique_symbols(read: Read) -> list[str]:
-    header = read(0, 64)
-    kind = _elf_header(header)
-    if kind is None:
+    layout = _layout(read)
+    if layout is None:
         return []
-    wide, order = kind
-    shoff, = struct.unpack_from(order + ("Q" if wide else "I"), header, 0x28 if wide else 0x20)
-    shentsize, shnum = struct.unpack_from(order + "HH", header, 0x3A if wide else 0x2E)
-    table = read(shoff, shentsize * shnum)
+    wide, order, shentsize = layout.wide, layout.order, layout.shentsize
+    table = read(layout.shoff, shentsize * layout.shnum)
     # Section header: (sh_type, sh_offset, sh_size, sh_link) of each; then the symbols' own layout.
     section = struct.Struct(order + ("4xI16xQQI" if wide else "4xI8xIII"))
-    sections = [section.unpack_from(table, index * shentsize) for index in range(shnum)]
+    sections = [section.unpack_from(table, index * shentsize) for index in range(layout.shnum)]
     symbol = struct.Struct(order + ("IB3xQQ" if wide else "IIIB3x"))
     names: list[str] = []
     for kind, offset, size, link in sections:
